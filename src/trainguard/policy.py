@@ -17,6 +17,7 @@ class Action(str, Enum):
     RESTART = "restart"  # stop the worker group and restart it (uses the restart budget)
     EXCLUDE_NODE = "exclude_node"  # this node's agent leaves; an elastic job goes on without it
     STOP_JOB = "stop_job"  # stop at once, no retry
+    RERENDEZVOUS = "rerendezvous"  # membership changed (a peer left): new round, no restart used
 
 
 @dataclass

@@ -98,6 +98,11 @@ class Monitor:
         """Extra environment variables for every worker (called before each start)."""
         return {}
 
+    def on_before_start(self, ctx: MonitorContext) -> Decision | None:
+        """After rendezvous, before workers start (ctx.workers is empty). Pre-flight and node checks
+        live here; return EXCLUDE_NODE / STOP_JOB / RERENDEZVOUS to act instead of starting."""
+        return None
+
     def on_workers_started(self, ctx: MonitorContext) -> None:
         pass
 
@@ -106,7 +111,13 @@ class Monitor:
         return None
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> None:
-        """Workers failed (global rank -> failure info), before they are restarted."""
+        """Workers failed (global rank -> failure info), before the policy decides.
+
+        Monitors that inform the decision put their verdict into ``ctx.extra``: the diagnosis
+        monitor sets ``ctx.extra["diagnosis"]`` (dict with "category", ...), the checks monitor
+        ``ctx.extra["hardware"]`` (dict with "healthy": bool, "faults": [...]).
+        Failure info keys: local_rank, pid, exitcode, signal (name or None), error_file_data
+        (dict or None), log_tail (list of str)."""
 
     def on_workers_stopped(self, ctx: MonitorContext) -> None:
         pass
