@@ -1,0 +1,225 @@
+"""Assemble and run one node's agent: config, run dir, events, monitors, pool."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.utils import macros
+from torch.distributed.launcher.api import _get_addr_and_port
+from torch.distributed.run import config_from_args, get_use_env, parse_min_max_nnodes
+
+from trainguard.events import EventBus, EventStore, Severity
+from trainguard.events.notify import Notifier, urls_from_env
+from trainguard.launch import plugins
+from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
+from trainguard.launch.pcontext import Target
+from trainguard.launch.pool import WorkerPool
+
+log = logging.getLogger("trainguard")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_EXCLUDED = 0, 1, 2, 4
+
+
+class UsageError(Exception):
+    pass
+
+
+def _job_id(args: argparse.Namespace) -> str:
+    if args.job_id:
+        return args.job_id
+    if args.rdzv_id and args.rdzv_id != "none":
+        return args.rdzv_id
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def prepare_run_dir(args: argparse.Namespace) -> Path:
+    run_dir = Path(args.run_dir or Path("trainguard-runs") / _job_id(args)).absolute()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"run dir {run_dir} is not writable: {exc.strerror or exc}") from None
+    return run_dir
+
+
+def _setup_logging(run_dir: Path, node: str) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    fh = logging.FileHandler(run_dir / f"agent-{node}.log")
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(fh)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("[trainguard %(asctime)s] %(message)s", "%H:%M:%S"))
+
+    class _Console(logging.Filter):
+        # trainguard's own events at INFO; torch's chatter only from WARNING up.
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.name.startswith("trainguard.worker_output"):
+                return False
+            return record.name.startswith("trainguard") or record.levelno >= logging.WARNING
+
+    console.addFilter(_Console())
+    root.addHandler(console)
+
+
+def _target(args: argparse.Namespace) -> Target:
+    if args.no_python:
+        return Target(binary=args.training_script)
+    if args.module:
+        return Target(module=args.training_script)
+    return Target(script=os.path.abspath(args.training_script))
+
+
+def _standalone(args: argparse.Namespace) -> None:
+    # Same defaults as torchrun's run().
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _install_signal_handlers() -> None:
+    # From the first moment (rendezvous included) a SIGTERM/SIGINT becomes an exception that
+    # unwinds through our cleanup, instead of killing the agent and orphaning its workers.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, _terminate_process_handler)
+
+
+def launch(args: argparse.Namespace) -> int:
+    try:
+        run_dir = prepare_run_dir(args)
+    except UsageError as exc:
+        print(f"trainguard run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    node = args.node_name or socket.gethostname()
+    _setup_logging(run_dir, node)
+    _install_signal_handlers()
+    user_rdzv_id = args.rdzv_id
+    _standalone(args)
+    try:
+        config, cmd, _ = config_from_args(args)
+    except (AssertionError, ValueError) as exc:
+        print(f"trainguard run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if user_rdzv_id == "none" and not args.standalone:
+        config.run_id = str(uuid.uuid4())
+
+    store = EventStore(run_dir)
+    bus = EventBus(store, node=node)
+    notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
+    bus.subscribe(notifier)
+    monitors = plugins.create_monitors(args)
+    pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), enabled=args.prestart_workers == "on")
+
+    # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
+    script_args = list(args.training_script_args)
+    if not get_use_env(args):
+        script_args.insert(0, f"--local-rank={macros.local_rank}")
+    rdzv_parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    agent: TrainguardAgent | None = None
+    shutdown_rdzv = True
+    code = EXIT_FAILED
+    try:
+        master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+        spec = WorkerSpec(
+            role=config.role,
+            local_world_size=config.nproc_per_node,
+            entrypoint=cmd,
+            args=tuple(script_args),
+            rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+            max_restarts=config.max_restarts,
+            monitor_interval=config.monitor_interval,
+            master_addr=master_addr,
+            master_port=master_port,
+            local_addr=config.local_addr,
+        )
+        tee = None if not args.quiet else set()
+        if args.local_ranks_filter:
+            tee = {int(r) for r in args.local_ranks_filter.split(",")}
+        agent = TrainguardAgent(
+            spec,
+            run_dir=run_dir,
+            bus=bus,
+            monitors=monitors,
+            pool=pool,
+            target=_target(args),
+            options=args,
+            tee_ranks=tee,
+            exit_barrier_timeout=args.exit_barrier_timeout,
+            stop_timeout=args.worker_stop_timeout,
+        )
+        log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, config.nproc_per_node)
+        result = agent.run()
+        if result is not None and result.state == WorkerState.SUCCEEDED:
+            bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.attempt + 1})
+            code = EXIT_OK
+        else:
+            reason = agent.stop_decision.reason if agent.stop_decision else agent.restart_reason
+            bus.emit(
+                "job_failed",
+                f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {config.max_restarts})"),
+                severity=Severity.CRITICAL,
+                rank=min(agent.final_failures) if agent.final_failures else None,
+                evidence={
+                    "reason": reason,
+                    "failures": {str(r): f for r, f in agent.final_failures.items()},
+                    "max_restarts": config.max_restarts,
+                },
+            )
+    except NodeExcluded as exc:
+        shutdown_rdzv = False  # closing the rendezvous would end it for the nodes that go on
+        if agent is not None:
+            agent.announce_leaving()
+        d = exc.decision
+        bus.emit("node_excluded", d.exit_message or d.reason, severity=Severity.ERROR, rank=d.rank, evidence={"reason": d.reason, "source": d.source, **d.evidence})
+        print(d.exit_message or d.reason, flush=True)
+        code = EXIT_EXCLUDED
+    except JobStopped as exc:
+        bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
+    except SignalException as exc:
+        shutdown_rdzv = False
+        bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
+        code = 128 + int(exc.sigval)
+    except Exception as exc:
+        log.exception("agent failed")
+        bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
+    finally:
+        if agent is not None:
+            agent.close()
+        pool.close()
+        if shutdown_rdzv and agent is not None:
+            try:
+                agent._worker_group.spec.rdzv_handler.shutdown()
+            except Exception:
+                pass
+        notifier.close()
+        store.close()
+    return code

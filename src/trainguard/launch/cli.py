@@ -1,0 +1,77 @@
+"""`trainguard run [torchrun flags] [trainguard flags] SCRIPT [ARGS...]`
+
+The parser is torchrun's own (so every torchrun flag means what it means there), extended with
+trainguard's flags and each monitor's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torch.distributed.run import get_args_parser
+
+from trainguard.launch import plugins
+
+USAGE_ERROR = 2
+
+
+def _one_line_error(parser: argparse.ArgumentParser):
+    def error(message: str) -> None:
+        parser.exit(USAGE_ERROR, f"trainguard run: error: {message}\n")
+
+    return error
+
+
+def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("trainguard")
+    g.add_argument("--run-dir", default=None, help="run directory (default ./trainguard-runs/<job-id>)")
+    g.add_argument("--job-id", default=None, help="job id used in the default run dir")
+    g.add_argument("--node-name", default=None, help="this node's name in events (default: hostname)")
+    g.add_argument(
+        "--notify",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="Apprise URL to notify (repeatable; also env TRAINGUARD_NOTIFY)",
+    )
+    g.add_argument("--notify-severity", default="error", help="least severity that notifies (default error)")
+    g.add_argument(
+        "--prestart-workers",
+        choices=["on", "off"],
+        default="on",
+        help="keep worker processes with torch imported ready for fast (re)starts (default on)",
+    )
+    g.add_argument("--worker-stop-timeout", type=int, default=15, help="seconds between SIGTERM and SIGKILL")
+    g.add_argument("--exit-barrier-timeout", type=float, default=300, help=argparse.SUPPRESS)
+    g.add_argument("--quiet", action="store_true", help="do not echo worker output to the console")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = get_args_parser()
+    parser.prog = "trainguard run"
+    parser.description = "Launch a guarded distributed job. Accepts every torchrun flag."
+    add_trainguard_arguments(parser)
+    plugins.add_run_arguments(parser)
+    parser.error = _one_line_error(parser)  # type: ignore[method-assign]
+    return parser
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """A clear message for input we can reject before starting anything."""
+    if not args.module and not args.no_python:
+        script = args.training_script
+        if not os.path.isfile(script):
+            return f"training script not found: {script}"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = validate(args)
+    if problem:
+        print(f"trainguard run: error: {problem}", file=sys.stderr)
+        return USAGE_ERROR
+    from trainguard.launch.api import launch
+
+    return launch(args)

@@ -1,0 +1,110 @@
+"""What runs inside a worker process before and around the user's script.
+
+Used two ways: as a pre-started process (``python -u -m trainguard.launch.worker_main --prestart``)
+that imports torch ahead of time and waits on stdin for its assignment, and directly
+(``python -u -m trainguard.launch.worker_main SPEC_JSON``) when pre-starting is off.
+The assignment is JSON: {"env": {...}, "cwd": str, "script": str | null, "module": str | null,
+"args": [...]}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """If the agent dies (even by SIGKILL), take this worker down too: no orphans."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _preimport() -> None:
+    # The expensive part of a worker start, done before the worker is needed.
+    # torch._dynamo is imported lazily by DDP's constructor and alone costs ~1.8 s here.
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.optim  # noqa: F401
+    import torch.utils.data  # noqa: F401
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads and "torch" in sys.modules:
+        try:
+            sys.modules["torch"].set_num_threads(int(threads))
+        except (ValueError, RuntimeError):
+            pass
+
+
+def _instrument() -> None:
+    try:
+        from trainguard.worker import bootstrap
+    except ImportError:
+        return
+    try:
+        bootstrap.install()
+    except Exception as exc:  # instrumentation must never stop training
+        print(f"trainguard: instrumentation disabled: {exc}", file=sys.stderr)
+
+
+def run(spec: dict) -> None:
+    _apply_env(spec["env"])
+    os.chdir(spec.get("cwd") or os.getcwd())
+    _instrument()
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()
+    handler.initialize()
+    args = [str(a) for a in spec.get("args", [])]
+    try:
+        if spec.get("module"):
+            sys.argv = [spec["module"], *args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(spec["script"])
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # Same error file torch's @record writes, so the agent reports the real exception.
+        handler.record_exception(exc)
+        raise
+
+
+def main() -> None:
+    _die_with_parent()
+    if sys.argv[1:2] == ["--prestart"]:
+        _preimport()
+        line = sys.stdin.readline()
+        if not line:
+            return  # the agent went away before using us
+        spec = json.loads(line)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+    else:
+        spec = json.loads(sys.argv[1])
+    run(spec)
+
+
+if __name__ == "__main__":
+    main()
