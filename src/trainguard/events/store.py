@@ -82,7 +82,12 @@ class EventStore:
             sql += " LIMIT ?"
             params.append(limit)
         with self._lock:
-            rows = self._conn.execute(sql, params).fetchall()
+            try:
+                rows = self._conn.execute(sql, params).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):  # a reader that came before the writer's schema
+                    return []
+                raise
         events = [_row_to_event(r) for r in rows]
         if min_severity is not None:
             events = [e for e in events if e.severity >= min_severity]

@@ -235,12 +235,21 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
+        membership = worker_group.state == WorkerState.HEALTHY  # elastic restarts healthy groups for new rounds
+        reason = "another node restarted or joined: new rendezvous round" if membership else self.restart_reason
+        what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
         self.bus.emit(
             "restart",
-            f"restarting workers (restart {restart_count}/{worker_group.spec.max_restarts}): {self.restart_reason}",
+            f"restarting workers ({what}): {reason}",
             severity=Severity.WARNING,
-            evidence={"restart_count": restart_count, "max_restarts": worker_group.spec.max_restarts, "reason": self.restart_reason},
+            evidence={
+                "restart_count": restart_count,
+                "max_restarts": worker_group.spec.max_restarts,
+                "reason": reason,
+                "membership_change": membership,
+            },
         )
+        self.restart_reason = "worker failure"
         super()._restart_workers(worker_group)
 
     # ---- monitoring -------------------------------------------------------------------------
