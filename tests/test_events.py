@@ -1,0 +1,116 @@
+"""Event model, SQLite store, `trainguard events`, and notifications over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from tgtest import trainguard_cmd, wait_for
+
+from trainguard.events import Event, EventBus, EventStore, Severity
+from trainguard.events.notify import Notifier
+
+
+def test_store_roundtrip_and_filters(tmp_path):
+    store = EventStore(tmp_path)
+    bus = EventBus(store, node="n0")
+    bus.emit("job_started", "go", evidence={"pids": {"0": 11}})
+    bus.emit("worker_failed", "boom", severity="error", rank=1, evidence={"exitcode": -9})
+    other = EventStore(tmp_path, readonly=True)  # a second connection sees committed rows (WAL)
+    got = other.query()
+    assert [(e.kind, e.severity, e.rank, e.node) for e in got] == [
+        ("job_started", Severity.INFO, None, "n0"),
+        ("worker_failed", Severity.ERROR, 1, "n0"),
+    ]
+    assert got[1].evidence == {"exitcode": -9}
+    assert [e.kind for e in other.query(min_severity=Severity.WARNING)] == ["worker_failed"]
+    assert [e.kind for e in other.query(after_id=got[0].id)] == ["worker_failed"]
+    assert store.path.name == "events.db"
+    assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_severity_parse_rejects_unknown():
+    assert Severity.parse("Warning") is Severity.WARNING
+    with pytest.raises(ValueError, match="unknown severity"):
+        Severity.parse("loud")
+
+
+def test_events_cli_table_json_and_kind(tmp_path):
+    bus = EventBus(EventStore(tmp_path), node="n0")
+    bus.emit("job_started", "go")
+    bus.emit("restart", "again", severity="warning", evidence={"restart_count": 1})
+    res = subprocess.run(trainguard_cmd("events", tmp_path, "--json"), capture_output=True, text=True, timeout=60)
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["kind"] for r in rows] == ["job_started", "restart"]
+    assert set(rows[0]) >= {"time", "kind", "severity", "node", "rank", "message", "evidence"}
+    assert rows[1]["severity"] == "warning" and rows[1]["evidence"] == {"restart_count": 1}
+    res = subprocess.run(trainguard_cmd("events", tmp_path, "--kind", "restart"), capture_output=True, text=True, timeout=60)
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("time") and len(lines) == 2 and "again" in lines[1]
+    res = subprocess.run(trainguard_cmd("events", tmp_path / "nope"), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no events" in res.stderr
+
+
+def test_events_follow_prints_new_events(tmp_path):
+    bus = EventBus(EventStore(tmp_path), node="n0")
+    bus.emit("job_started", "first")
+    proc = subprocess.Popen(trainguard_cmd("events", tmp_path, "--follow", "--json"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["message"] == "first"
+        bus.emit("job_succeeded", "second")
+        assert json.loads(proc.stdout.readline())["message"] == "second"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Hook.received.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_notifier_delivers_over_http_and_survives_a_dead_endpoint():
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Hook.received.clear()
+    dead = HTTPServer(("127.0.0.1", 0), _Hook)
+    dead_port = dead.server_address[1]
+    dead.server_close()  # nothing listens there any more
+    try:
+        good = Notifier([f"json://127.0.0.1:{server.server_address[1]}/hook"], Severity.ERROR, job="j1")
+        bad = Notifier([f"json://127.0.0.1:{dead_port}/hook"], Severity.ERROR)
+        bus = EventBus(None, node="n0")
+        bus.subscribe(good)
+        bus.subscribe(bad)
+        bus.emit("restart", "below threshold", severity="warning")
+        bus.emit("job_failed", "it broke", severity="critical", rank=2)
+        wait_for(lambda: _Hook.received, 60, "webhook delivery")
+        bad.flush(60)
+        assert len(_Hook.received) == 1
+        msg = _Hook.received[0]
+        assert "job_failed" in msg["title"] and "it broke" in msg["message"] and "rank=2" in msg["message"]
+        assert bad.failures == 1 and bad.sent == 0
+        good.close()
+        bad.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_event_json_shape():
+    e = Event(kind="k", message="m", severity=Severity.CRITICAL, node="n", rank=3, evidence={"a": 1}, time=1.5)
+    assert json.loads(e.to_json()) == {
+        "kind": "k", "message": "m", "severity": "critical", "node": "n", "rank": 3, "evidence": {"a": 1}, "time": 1.5, "id": None
+    }
+    assert Event.from_dict(e.to_dict()) == e
