@@ -10,7 +10,19 @@ import subprocess
 import sys
 
 import pytest
-from tgtest import EXAMPLE, SCRIPTS, events, free_port, processes_of, rank_log, trainguard_cmd, wait_event, wait_for, wait_log
+from tgtest import (
+    EXAMPLE,
+    SCRIPTS,
+    alive,
+    events,
+    free_port,
+    processes_of,
+    rank_log,
+    trainguard_cmd,
+    wait_event,
+    wait_for,
+    wait_log,
+)
 
 CORE = SCRIPTS / "core_job.py"
 pytestmark = pytest.mark.slow
@@ -121,10 +133,11 @@ def test_sigterm_to_launcher_leaves_nothing_behind(jobs, tmp_path):
     shm_before = set(os.listdir("/dev/shm"))
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--run-dir", run, EXAMPLE, "--steps", "100000", "--step-time-ms", "50")
     wait_log(rank_log(run, 0, 1), "step=3 rank=1")
-    assert len(processes_of(run)) >= 3
+    procs = processes_of(run)  # launcher, 2 workers, pre-started spares
+    assert len(procs) >= 3
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait() != 0
-    wait_for(lambda: not processes_of(run), 30, "all job processes gone")
+    wait_for(lambda: not alive(procs), 30, "all job processes gone")
     assert set(os.listdir("/dev/shm")) - shm_before == set()
     final = events(run, "job_failed")
     assert final and "SIGTERM" in final[-1].message

@@ -133,4 +133,22 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
                 mine.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return mine
+    return with_descendants(mine)
+
+
+def with_descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes and all their children (pre-started workers set their env in-process, so
+    only ancestry ties them to a run)."""
+    seen = {p.pid: p for p in procs}
+    for p in procs:
+        try:
+            for c in p.children(recursive=True):
+                seen.setdefault(c.pid, c)
+        except psutil.NoSuchProcess:
+            continue
+    return [p for p in seen.values() if p.pid != os.getpid()]
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (is_running also checks the pid was not reused)."""
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

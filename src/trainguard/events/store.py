@@ -75,7 +75,7 @@ class EventStore:
         sql = "SELECT id, time, kind, severity, node, rank, message, evidence FROM events WHERE id > ?"
         params: list[object] = [after_id]
         if kinds:
-            sql += " AND kind IN (%s)" % ",".join("?" * len(kinds))
+            sql += " AND kind IN ({})".format(",".join("?" * len(kinds)))
             params.extend(kinds)
         sql += " ORDER BY id"
         if limit:
