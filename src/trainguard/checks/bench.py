@@ -1,0 +1,204 @@
+"""The node-check benchmark: one process per node, joined with its partner(s) in a process group.
+
+Run as ``python -m trainguard.checks.bench --store-host H --store-port P --rank R --world-size W``.
+It times a GEMM, an all-reduce and an all-gather and prints one JSON line (``NODECHECK {...}``).
+
+Units (nccl-tests definitions; DLRover once added milliseconds per matmul to the total seconds of
+20 all-reduces and reported 51 GB/s where about 1 GB/s was real — here every time is the median
+seconds of ONE operation and every bandwidth is bytes / that time):
+
+- ``gemm_s``: seconds per (n x n) @ (n x n) matmul; ``gemm_tflops`` = 2 n^3 / gemm_s / 1e12.
+- all-reduce of S bytes: ``algbw`` = S / t, ``busbw`` = algbw * 2 (W-1) / W.
+- all-gather with S bytes of output (S/W from each rank): ``algbw`` = S / t, ``busbw`` = algbw * (W-1) / W.
+- bandwidths in GB/s (1 GB = 1e9 bytes).
+
+Fault injection (for tests and drills only; never set in production):
+``TRAINGUARD_CHAOS_NODECHECK=fail`` makes this process die right after joining the group (as if the
+node broke); ``slow:<factor>`` makes every timed operation take about <factor> times longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+CHAOS_ENV = "TRAINGUARD_CHAOS_NODECHECK"
+RESULT_PREFIX = "NODECHECK "
+READY_LINE = "NODECHECK_READY"
+CHAOS_EXIT_CODE = 17
+
+
+def parse_chaos(value: str | None) -> tuple[str, float]:
+    """'' -> ('', 1); 'fail' -> ('fail', 1); 'slow:4' -> ('slow', 4.0). Bad values raise ValueError."""
+    value = (value or "").strip()
+    if not value:
+        return "", 1.0
+    if value == "fail":
+        return "fail", 1.0
+    if value.startswith("slow:"):
+        factor = float(value.split(":", 1)[1])
+        if factor < 1:
+            raise ValueError(f"{CHAOS_ENV}=slow:<factor> needs factor >= 1, got {factor}")
+        return "slow", factor
+    raise ValueError(f"{CHAOS_ENV} must be 'fail' or 'slow:<factor>', got {value!r}")
+
+
+def algbw_busbw(op: str, nbytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s for one operation on ``nbytes`` that took ``seconds``."""
+    if seconds <= 0:
+        return 0.0, 0.0
+    alg = nbytes / seconds / 1e9
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world}[op]
+    return alg, alg * factor
+
+
+def _time_ops(
+    fn: Callable[[], None], sync: Callable[[], None], warmup: int, iters: int, slow: float
+) -> float:
+    """Median seconds of one call of ``fn`` (each op timed alone, device synchronised)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        dt = time.perf_counter() - t0
+        if slow > 1:  # chaos: stretch this op to about `slow` times its real duration
+            time.sleep(dt * (slow - 1))
+            dt = time.perf_counter() - t0
+        times.append(dt)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    mode, factor = parse_chaos(os.environ.get(CHAOS_ENV))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+
+        def sync() -> None:
+            torch.cuda.synchronize(dev)
+    else:
+        torch.set_num_threads(args.threads)
+        dev = torch.device("cpu")
+
+        def sync() -> None:
+            pass
+
+    store = dist.TCPStore(
+        args.store_host, args.store_port, is_master=False, timeout=timedelta(seconds=args.timeout)
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("nodecheck", store),
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    if mode == "fail":
+        print(f"chaos: {CHAOS_ENV}=fail, the check process dies now", file=sys.stderr, flush=True)
+        os._exit(CHAOS_EXIT_CODE)
+    world = args.world_size
+    out: dict[str, Any] = {"backend": backend, "device": str(dev), "world_size": world}
+    if args.sync:
+        # Torch is imported and the group is up: wait until every group of the wave is, so that
+        # no pair measures while another one still starts (start-up noise would look like a
+        # straggler). The coordinator writes one line to stdin; EOF also starts.
+        print(READY_LINE, flush=True)
+        sys.stdin.readline()
+
+    # GEMM on every GPU of the node (a node is as slow as its slowest GPU), else on the CPU.
+    n = args.gemm_n or (4096 if use_cuda else 256)
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if use_cuda else [dev]
+    per_device = []
+    for d in devices:
+        dtype = torch.float16 if d.type == "cuda" else torch.float32
+        a = torch.randn(n, n, device=d, dtype=dtype)
+        b = torch.randn(n, n, device=d, dtype=dtype)
+
+        def do_gemm(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            torch.matmul(a, b)
+
+        def sync_d(d: torch.device = d) -> None:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+
+        per_device.append(_time_ops(do_gemm, sync_d, args.warmup, args.iters, factor))
+    out["gemm_n"] = n
+    out["gemm_s"] = max(per_device)
+    out["gemm_s_per_device"] = per_device
+    out["gemm_tflops"] = 2 * n**3 / out["gemm_s"] / 1e12
+
+    # Collectives: S bytes of float32.
+    coll_mb = args.coll_mb or (64.0 if use_cuda else 1.0)
+    nbytes = max(4 * world, int(coll_mb * 1e6) // (4 * world) * 4 * world)
+    x = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
+    dist.barrier()
+    out["bytes"] = nbytes
+    out["allreduce_s"] = _time_ops(lambda: dist.all_reduce(x), sync, args.warmup, args.iters, factor)
+    out["allreduce_algbw_gbps"], out["allreduce_busbw_gbps"] = algbw_busbw(
+        "all_reduce", nbytes, out["allreduce_s"], world
+    )
+    chunk = x[: nbytes // 4 // world].clone()
+    parts = [torch.empty_like(chunk) for _ in range(world)]
+    dist.barrier()
+    out["allgather_s"] = _time_ops(
+        lambda: dist.all_gather(parts, chunk), sync, args.warmup, args.iters, factor
+    )
+    out["allgather_algbw_gbps"], out["allgather_busbw_gbps"] = algbw_busbw(
+        "all_gather", nbytes, out["allgather_s"], world
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainguard.checks.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--store-host", required=True)
+    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--gemm-n", type=int, default=0, help="matrix size (0: 4096 on GPU, 256 on CPU)")
+    p.add_argument(
+        "--coll-mb", type=float, default=0.0, help="MB (1e6 bytes) per collective (0: 64 on GPU, 1 on CPU)"
+    )
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for the CPU GEMM")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds for store and collectives")
+    p.add_argument("--sync", action="store_true", help="print NODECHECK_READY, then wait for a line on stdin")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        parse_chaos(os.environ.get(CHAOS_ENV))
+        result = {"ok": True, **run(args)}
+        code = 0
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+        code = 1
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""`trainguard nodecheck`: GEMM + all-reduce + all-gather health check of nodes in paired groups.
+
+On several machines, start it on every node (like torchrun's static rendezvous: node 0 hosts the
+store at --master-addr:--master-port):
+
+    trainguard nodecheck --nnodes 4 --node-rank $RANK --master-addr node0 --master-port 29400
+
+On one machine, ``--local N`` simulates N nodes (one real benchmark process each), and
+``--chaos NODE=fail|slow:<factor>`` injects a fault into one simulated node (a drill).
+
+Exit code: 0 healthy, 1 a faulty node (or a failure that could not be located), 3 straggler(s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+from trainguard.checks.bench import CHAOS_ENV, parse_chaos
+from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
+from trainguard.detect.nodecheck import Verdict
+
+EXIT_FAULTY, EXIT_STRAGGLER = 1, 3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1", help="host of the coordination store (node 0)")
+    p.add_argument("--master-port", type=int, default=29400)
+    p.add_argument("--local", type=int, default=0, metavar="N", help="simulate N nodes on this machine")
+    p.add_argument("--chaos", action="append", default=[], metavar="NODE=MODE",
+                   help="with --local: fault injection, MODE is fail or slow:<factor> (repeatable)")  # fmt: skip
+    add_check_arguments(p, prefix="")
+    p.add_argument("--json", action="store_true", help="print the verdict and measurements as JSON")
+
+
+def add_check_arguments(p: Any, prefix: str = "node-check-") -> None:
+    """Benchmark and verdict options (shared with `trainguard run --node-check`)."""
+    p.add_argument(f"--{prefix}backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument(f"--{prefix}timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="limit for one group test (process start, group setup, benchmark)")  # fmt: skip
+    p.add_argument(f"--{prefix}gemm-n", type=int, default=0, help="GEMM size (0: 4096 on GPU, 256 on CPU)")
+    p.add_argument(f"--{prefix}coll-mb", type=float, default=0.0, help="MB per collective (0: 64 GPU, 1 CPU)")
+    p.add_argument(f"--{prefix}iters", type=int, default=10, help="timed iterations per operation")
+    p.add_argument(f"--{prefix}straggler-ratio", type=float, default=2.0,
+                   help="a straggler is at least this many times the median time (and beyond median + k*MAD)")  # fmt: skip
+    p.add_argument(f"--{prefix}straggler-k", type=float, default=3.0, help="k of the median + k*MAD rule")
+
+
+def config_from(args: argparse.Namespace, prefix: str = "") -> NodeCheckConfig:
+    a = prefix.replace("-", "_")
+    return NodeCheckConfig(
+        backend=getattr(args, f"{a}backend"),
+        timeout_s=getattr(args, f"{a}timeout"),
+        gemm_n=getattr(args, f"{a}gemm_n"),
+        coll_mb=getattr(args, f"{a}coll_mb"),
+        iters=getattr(args, f"{a}iters"),
+        straggler_ratio=getattr(args, f"{a}straggler_ratio"),
+        straggler_k=getattr(args, f"{a}straggler_k"),
+    )
+
+
+def _chaos_map(specs: list[str], nnodes: int) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for spec in specs:
+        node, sep, mode = spec.partition("=")
+        if not sep or not node.isdigit() or not 0 <= int(node) < nnodes:
+            raise ValueError(f"--chaos {spec!r}: expected NODE=MODE with 0 <= NODE < {nnodes}")
+        parse_chaos(mode)
+        out[int(node)] = mode
+    return out
+
+
+def format_verdict(v: Verdict, metrics: dict[int, list[dict[str, Any]]]) -> list[str]:
+    lines = []
+    for r in v.results:
+        status = "ok" if r.ok else f"failed ({r.error})"
+        lines.append(f"nodecheck node {r.node} group {list(r.group)}: {status}")
+    for node, runs in sorted(metrics.items()):
+        for m in runs:
+            lines.append(
+                f"nodecheck node {node} group {m['group']}: gemm {m['gemm_s'] * 1e3:.2f} ms/op "
+                f"({m['gemm_tflops']:.3f} TFLOP/s, n={m['gemm_n']}); "
+                f"all-reduce {m['allreduce_s'] * 1e3:.2f} ms/op, algbw {m['allreduce_algbw_gbps']:.2f} GB/s, "
+                f"busbw {m['allreduce_busbw_gbps']:.2f} GB/s; "
+                f"all-gather {m['allgather_s'] * 1e3:.2f} ms/op, algbw {m['allgather_algbw_gbps']:.2f} GB/s, "
+                f"busbw {m['allgather_busbw_gbps']:.2f} GB/s ({m['bytes'] / 1e6:.1f} MB, {m['backend']})"
+            )
+    for n, why in sorted(v.faulty.items()):
+        lines.append(f"nodecheck verdict: node {n} is faulty: {why}")
+    for n, why in sorted(v.stragglers.items()):
+        lines.append(f"nodecheck verdict: node {n} is a straggler: {why}")
+    if v.undetermined:
+        lines.append(f"nodecheck verdict: {v.undetermined}")
+    if v.healthy and not v.stragglers:
+        lines.append(f"nodecheck verdict: all {len(v.nodes)} node(s) healthy")
+    return lines
+
+
+def _exit_code(v: Verdict, nodes: list[int]) -> int:
+    if v.undetermined or any(n in v.faulty for n in nodes):
+        return EXIT_FAULTY
+    if any(n in v.stragglers for n in nodes):
+        return EXIT_STRAGGLER
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_local(
+    args: argparse.Namespace, cfg: NodeCheckConfig
+) -> tuple[Verdict, dict[int, list[dict[str, Any]]]]:
+    from torch.distributed import TCPStore
+
+    n = args.local
+    chaos = _chaos_map(args.chaos, n)
+    server = TCPStore(
+        "127.0.0.1", _free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    checkers = []
+    for i in range(n):
+        c = NodeCheckConfig(
+            **{
+                **cfg.__dict__,
+                "advertise_addr": "127.0.0.1",
+                "env": {CHAOS_ENV: chaos[i]} if i in chaos else {},
+            }
+        )
+        client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+        checkers.append(NodeChecker(client, i, n, c))
+    verdicts: dict[int, Verdict] = {}
+    errors: list[str] = []
+
+    def work(ch: NodeChecker) -> None:
+        try:
+            verdicts[ch.me] = ch.run()
+        except Exception as exc:
+            errors.append(f"node {ch.me}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(ch,), daemon=True) for ch in checkers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors or 0 not in verdicts:
+        raise RuntimeError("; ".join(errors) or "node check did not finish")
+    return verdicts[0], {ch.me: ch.metrics for ch in checkers}
+
+
+def _run_node(
+    args: argparse.Namespace, cfg: NodeCheckConfig
+) -> tuple[Verdict, dict[int, list[dict[str, Any]]]]:
+    from torch.distributed import TCPStore
+
+    cfg.peer_host = args.master_addr
+    store = TCPStore(
+        args.master_addr,
+        args.master_port,
+        world_size=args.nnodes,
+        is_master=args.node_rank == 0,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=max(60.0, cfg.timeout_s)),
+    )
+    checker = NodeChecker(store, args.node_rank, args.nnodes, cfg)
+    v = checker.run()
+    # Node 0 hosts the store: stay until every node has read the last wave.
+    store.add("trainguard/nodecheck/done", 1)
+    if args.node_rank == 0:
+        _wait_count(store, args.nnodes, cfg)
+    return v, {args.node_rank: checker.metrics}
+
+
+def _wait_count(store: Any, n: int, cfg: NodeCheckConfig) -> None:
+    import time
+
+    deadline = time.monotonic() + cfg.timeout_s
+    while store.add("trainguard/nodecheck/done", 0) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from(args)
+    try:
+        if args.local:
+            if args.local < 1:
+                raise ValueError("--local needs N >= 1")
+            verdict, metrics = _run_local(args, cfg)
+            mine = verdict.nodes
+        else:
+            if args.chaos:
+                raise ValueError("--chaos works with --local; on real nodes set TRAINGUARD_CHAOS_NODECHECK")
+            if not 0 <= args.node_rank < args.nnodes:
+                raise ValueError(f"--node-rank must be in [0, {args.nnodes})")
+            verdict, metrics = _run_node(args, cfg)
+            mine = [args.node_rank]
+    except ValueError as exc:
+        print(f"trainguard nodecheck: error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as exc:  # the store could not be hosted or reached
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"{args.master_addr}:{args.master_port}"
+        print(f"trainguard nodecheck: error: coordination store at {where} failed: {first}", file=sys.stderr)
+        return EXIT_FAULTY
+    if args.json:
+        d = verdict.to_dict()
+        d["measurements"] = {str(k): v for k, v in metrics.items()}
+        print(json.dumps(d, indent=2))
+    else:
+        for line in format_verdict(verdict, metrics):
+            print(line)
+    return _exit_code(verdict, mine)

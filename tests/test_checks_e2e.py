@@ -1,0 +1,87 @@
+"""Checks and policy through `trainguard run` agents: a node failing the node check is excluded and
+the job goes on with 3 of 4 nodes; a user-code error on healthy nodes fails the job at once."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from tgtest import EXAMPLE, events, free_port, wait_for
+
+from trainguard.checks.bench import CHAOS_ENV
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_four_agents_one_fails_the_node_check_and_the_job_continues_on_three(jobs, tmp_path):
+    run = tmp_path / "run"
+    port = free_port()
+    common = [
+        "--nnodes", "3:4", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodecheck", "--rdzv-conf", "last_call_timeout=1",
+        "--max-restarts", "1", "--run-dir", run, "--node-check",
+    ]  # fmt: skip
+
+    def agent(i: int):
+        env = {CHAOS_ENV: "fail"} if i == 2 else None  # fault injection: node2's check process dies
+        return jobs(
+            "run", *common, "--node-name", f"node{i}", EXAMPLE, "--steps", "8", env=env, name=f"node{i}"
+        )
+
+    # node0 first, so that it (not the node that leaves) hosts the rendezvous store.
+    agents = [agent(0)]
+    wait_for(lambda: _listening(port), 120, "the rendezvous store")
+    agents += [agent(i) for i in (1, 2, 3)]
+    codes = [a.wait() for a in agents]
+    outs = [a.output() for a in agents]
+    assert codes[2] != 0 and "The node is down." in outs[2], outs[2]
+    assert [codes[i] for i in (0, 1, 3)] == [0, 0, 0], outs
+
+    first = [e for e in events(run, "nodecheck_result") if e.evidence["verdict"]["nodes"] == [0, 1, 2, 3]]
+    assert len(first) == 4  # every agent reached the verdict ...
+    for e in first:  # ... and the same one, naming node2
+        faulty = e.evidence["verdict"]["faulty"]
+        assert len(faulty) == 1
+        (rank,) = faulty
+        assert e.evidence["verdict"]["names"][rank] == "node2"
+    excluded = events(run, "node_excluded")
+    assert excluded and {e.node for e in excluded} == {"node2"}
+    decisions = events(run, "policy_decision")
+    assert {e.node for e in decisions if e.evidence["action"] == "exclude_node"} == {"node2"}
+    assert {e.node for e in decisions if e.evidence["action"] == "rerendezvous"} == {
+        "node0",
+        "node1",
+        "node3",
+    }
+    started = events(run, "job_started")
+    assert {e.node for e in started} == {"node0", "node1", "node3"}
+    assert all(e.evidence["group_world_size"] == 3 for e in started)
+    assert {e.node for e in events(run, "job_succeeded")} == {"node0", "node1", "node3"}
+
+
+@pytest.mark.slow
+def test_zerodivision_on_healthy_nodes_fails_the_job_without_restart(jobs, tmp_path):
+    run = tmp_path / "run"
+    job = jobs(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir", run,
+        EXAMPLE, "--steps", "20", "--fail-mode", "zerodiv", "--fail-rank", "1", "--fail-step", "5",
+    )  # fmt: skip
+    assert job.wait() != 0
+    out = job.output()
+    assert "item disk-size root ... ok" in out and "item gpu-check ... skipped" in out  # seed `item` lines
+    assert [e.kind for e in events(run, "precheck_passed")] == ["precheck_passed"]
+    hw = events(run, "hardware_check")
+    assert hw and hw[0].evidence["healthy"] is True
+    (decision,) = events(run, "policy_decision")
+    assert decision.evidence["action"] == "stop_job"
+    assert decision.evidence["scenario"] == 4
+    assert decision.evidence["cause"]["kind"] == "user_code"
+    assert decision.rank == 1
+    assert not events(run, "restart")
+    failed = events(run, "job_failed")
+    assert len(failed) == 1 and "user code failed on healthy hardware" in failed[0].message

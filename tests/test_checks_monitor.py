@@ -1,0 +1,173 @@
+"""The checks monitor with hand-built MonitorContexts and a real TCPStore on 127.0.0.1: agents agree
+on pre-check and node-check verdicts through the store, exactly as `trainguard run` agents do."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from datetime import timedelta
+
+import pytest
+from test_policy import ZERODIV
+from tgtest import wait_for
+from torch.distributed import PrefixStore, TCPStore
+
+from trainguard import policy
+from trainguard.checks.items import HardwareReport
+from trainguard.events import EventBus, EventStore
+from trainguard.launch import checks_monitor as CM
+from trainguard.launch.monitor import MonitorContext, StepTracker
+from trainguard.policy import Action
+
+
+def options(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    CM.add_run_arguments(p.add_argument_group("checks"))
+    p.add_argument("--nnodes", default="1")
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0")
+    p.add_argument("--nproc-per-node", default="1")
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture
+def server():
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    yield s
+    del s
+
+
+def contexts(tmp_path, server, nnodes, opts, round_no=0):
+    store = EventStore(tmp_path)
+    out = []
+    for r in range(nnodes):
+        client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+        out.append(
+            MonitorContext(
+                run_dir=tmp_path,
+                node=f"node{r}",
+                node_rank=r,
+                nnodes=nnodes,
+                nproc_per_node=1,
+                world_size=nnodes,
+                restart_count=round_no,
+                workers=[],
+                events=EventBus(store, f"node{r}"),
+                steps=StepTracker(),
+                store=PrefixStore(f"round{round_no}", client),  # the agent's store is round-scoped
+                options=opts[r],
+            )
+        )
+    return out
+
+
+def before_start_all(monitors, ctxs):
+    decisions: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def one(i):
+        try:
+            decisions[i] = monitors[i].on_before_start(ctxs[i])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(monitors))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert len(decisions) == len(monitors), "a monitor did not finish"
+    return decisions
+
+
+def kinds(tmp_path, kind):
+    return EventStore(tmp_path, readonly=True).query(kinds=[kind])
+
+
+def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server):
+    common = ["--nnodes", "3:4", "--check-cache-dir", "/nonexistent", "--health-check-interval", "0"]
+    opts = [options(*common) for _ in range(4)]
+    opts[2] = options(*common, "--check-disk-shm-gb", "1e9")  # node 2's /dev/shm is "too small"
+    monitors = [CM.ChecksMonitor(o) for o in opts]
+    got = before_start_all(monitors, contexts(tmp_path, server, 4, opts))
+    assert got[2].action == Action.EXCLUDE_NODE
+    assert got[2].exit_message == policy.NODE_DOWN_MESSAGE == "The node is down."
+    assert got[2].evidence["scenario"] == 2  # pre-check failed, hardware fine
+    assert "disk-size shm" in got[2].reason
+    for n in (0, 1, 3):
+        assert got[n].action == Action.RERENDEZVOUS and "node 2 (node2) excluded" in got[n].reason
+    failed = kinds(tmp_path, "precheck_failed")
+    assert [e.node for e in failed] == ["node2"]
+    assert any(i["item"] == "disk-size shm" and i["status"] == "failed" for i in failed[0].evidence["items"])
+    assert sorted(e.node for e in kinds(tmp_path, "precheck_passed")) == ["node0", "node1", "node3"]
+    assert [e.node for e in kinds(tmp_path, "node_excluded")] == ["node2"]
+
+    # Next round without node 2: no new pre-check runs (first round only), everyone starts.
+    again = before_start_all(
+        [monitors[i] for i in (0, 1, 3)], contexts(tmp_path, server, 3, opts[:3], round_no=1)
+    )
+    assert list(again.values()) == [None, None, None]
+    assert len(kinds(tmp_path, "precheck_passed")) == 3
+
+
+def test_failed_precheck_stops_a_job_that_is_not_elastic(tmp_path, server):
+    common = ["--nnodes", "2", "--health-check-interval", "0"]
+    opts = [options(*common), options(*common, "--check-disk-root-gb", "1e9")]
+    got = before_start_all([CM.ChecksMonitor(o) for o in opts], contexts(tmp_path, server, 2, opts))
+    assert got[1].action == Action.EXCLUDE_NODE
+    assert got[0].action == Action.STOP_JOB and "needs at least 2" in got[0].reason
+
+
+def test_precheck_off_and_all_off():
+    assert CM.create(options("--precheck", "off", "--health-check-interval", "0")) is None
+    assert isinstance(CM.create(options()), CM.ChecksMonitor)
+
+
+def test_periodic_hardware_check_turns_a_fault_into_exclusion(tmp_path, server):
+    calls = []
+
+    def fake(cfg):
+        calls.append(cfg.xid_window_s)
+        bad = len(calls) >= 2
+        return HardwareReport(
+            healthy=not bad, faults=["GPU 0: row remapping failed"] if bad else [], items=[]
+        )
+
+    opts = options("--health-check-interval", "0.05", "--precheck", "off")
+    mon = CM.ChecksMonitor(opts, hardware_check_fn=fake)
+    ctx = contexts(tmp_path, server, 1, [opts])[0]
+    try:
+        mon.on_workers_started(ctx)
+        d = wait_for(lambda: mon.poll(ctx), timeout=60, what="a decision from poll")
+    finally:
+        mon.close()
+    assert d.action == Action.EXCLUDE_NODE and d.exit_message == "The node is down."
+    assert "row remapping failed" in d.reason and d.source == "health_check"
+    assert mon.poll(ctx) is None  # reported once
+    assert kinds(tmp_path, "hardware_fault")
+    assert all(w < 3600 for w in calls)  # only Xids since the agent started count
+
+
+def test_workers_failed_runs_the_hardware_check_for_the_policy(tmp_path, server):
+    opts = options("--health-check-interval", "0")
+    healthy = CM.ChecksMonitor(opts, hardware_check_fn=lambda c: HardwareReport(True, [], []))
+    ctx = contexts(tmp_path, server, 1, [opts])[0]
+    healthy.on_workers_failed(ctx, {1: ZERODIV})
+    assert ctx.extra["hardware"] == {"healthy": True, "faults": []}
+    d = policy.decide_on_failure({1: ZERODIV}, 3, None, ctx.extra["hardware"])
+    assert d.action == Action.STOP_JOB  # scenario 4
+
+    sick = CM.ChecksMonitor(opts, hardware_check_fn=lambda c: HardwareReport(False, ["Xid 79"], []))
+    sick.on_workers_failed(ctx, {1: ZERODIV})
+    assert (
+        policy.decide_on_failure({1: ZERODIV}, 3, None, ctx.extra["hardware"]).action == Action.EXCLUDE_NODE
+    )
+    assert [e.severity.label for e in kinds(tmp_path, "hardware_check")] == ["info", "critical"]
+
+
+def test_a_broken_hardware_checker_leaves_no_verdict(tmp_path, server):
+    opts = options("--health-check-interval", "0")
+    mon = CM.ChecksMonitor(opts, hardware_check_fn=lambda c: 1 / 0)
+    ctx = contexts(tmp_path, server, 1, [opts])[0]
+    mon.on_workers_failed(ctx, {})
+    assert "hardware" not in ctx.extra

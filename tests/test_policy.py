@@ -1,0 +1,257 @@
+"""The policy module: the seed's four scenarios, failure classification, node exclusion."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from trainguard import policy as P
+from trainguard.policy import Action
+
+HEALTHY = {"healthy": True, "faults": []}
+FAULTY = {"healthy": False, "faults": ["GPU 3: 2 uncorrectable ECC error(s) since driver load"]}
+
+
+def err_file(message: str, stack: str = "") -> dict:
+    """The shape torch elastic's @record writes (and the agent passes on as error_file_data)."""
+    return {"message": {"message": message, "extraInfo": {"py_callstack": stack, "timestamp": "1795250000"}}}
+
+
+def info(exitcode=1, signal=None, error=None, tail=None, local_rank=0):
+    return {
+        "local_rank": local_rank,
+        "pid": 1234,
+        "exitcode": exitcode,
+        "signal": signal,
+        "error_file_data": error,
+        "log_tail": tail or [],
+    }
+
+
+ZERODIV = info(
+    error=err_file("ZeroDivisionError: division by zero", 'File "train.py", line 80\n    print(1 / 0)')
+)
+GLOO_PEER = info(
+    error=err_file(
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4312"
+    )
+)
+NCCL_ERR = info(
+    error=err_file(
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"
+    )
+)
+SIGKILL = info(exitcode=-9, signal="SIGKILL")
+SIGSEGV = info(exitcode=-11, signal="SIGSEGV")
+BARE_EXIT = info(exitcode=3)
+ECC_TAIL = info(error=err_file("RuntimeError: CUDA error: uncorrectable ECC error encountered"))
+TRACEBACK_ONLY = info(
+    tail=[
+        "2026-11-21T09:30:01.1 [rank1]: Traceback (most recent call last):",
+        '2026-11-21T09:30:01.1 [rank1]:   File "train.py", line 5, in <module>',
+        "2026-11-21T09:30:01.1 [rank1]: KeyError: 'lr'",
+    ]
+)
+
+
+# --------------------------------------------------------------------- scenario 4: user code
+
+
+def test_zerodivision_on_healthy_hardware_stops_at_once_without_retry():
+    d = P.decide_on_failure({1: ZERODIV}, remaining_restarts=3, diagnosis=None, hardware=HEALTHY)
+    assert d.action == Action.STOP_JOB
+    assert d.rank == 1
+    assert "ZeroDivisionError" in d.reason
+    assert d.evidence["scenario"] == 4
+    assert d.evidence["cause"]["kind"] == P.USER
+
+
+def test_user_error_wins_over_the_peer_connection_errors_it_caused():
+    d = P.decide_on_failure({0: GLOO_PEER, 1: ZERODIV}, 2, None, HEALTHY)
+    assert d.action == Action.STOP_JOB and d.rank == 1
+
+
+def test_user_error_without_a_hardware_check_still_stops():
+    assert P.decide_on_failure({0: ZERODIV}, 1, None, None).action == Action.STOP_JOB
+
+
+def test_traceback_in_the_log_tail_counts_as_user_error_without_error_file():
+    d = P.decide_on_failure({1: TRACEBACK_ONLY}, 2, None, HEALTHY)
+    assert d.action == Action.STOP_JOB and "KeyError" in d.reason
+
+
+def test_user_traceback_quoting_nccl_code_is_still_user_error():
+    e = info(error=err_file("ValueError: bad shape", 'File "t.py"\n    dist.init_process_group("nccl")'))
+    assert P.decide_on_failure({0: e}, 2, None, HEALTHY).action == Action.STOP_JOB
+
+
+# --------------------------------------------------------------------- scenario 3: hardware
+
+
+def test_user_failure_with_faulty_hardware_isolates_the_node():
+    d = P.decide_on_failure({1: ZERODIV}, 2, None, FAULTY)
+    assert d.action == Action.EXCLUDE_NODE
+    assert d.exit_message == P.NODE_DOWN_MESSAGE == "The node is down."
+    assert d.evidence["scenario"] == 3
+    assert "ECC" in d.reason
+    assert d.source == "hardware_check"
+
+
+def test_hardware_fault_isolates_even_with_no_restarts_left():
+    assert P.decide_on_failure({0: SIGKILL}, 0, None, FAULTY).action == Action.EXCLUDE_NODE
+
+
+def test_gpu_error_text_isolates_the_node_even_if_the_quick_check_saw_nothing():
+    d = P.decide_on_failure({0: ECC_TAIL}, 2, None, HEALTHY)
+    assert d.action == Action.EXCLUDE_NODE and d.exit_message == P.NODE_DOWN_MESSAGE
+
+
+# ------------------------------------------------------------ infrastructure: restart in budget
+
+
+@pytest.mark.parametrize("failure", [SIGKILL, SIGSEGV, BARE_EXIT, GLOO_PEER, NCCL_ERR, info(exitcode=-7)])
+def test_infrastructure_failures_restart_within_the_budget(failure):
+    d = P.decide_on_failure({0: failure}, 2, None, HEALTHY)
+    assert d.action == Action.RESTART
+    assert "2 restart(s) left" in d.reason
+
+
+@pytest.mark.parametrize("failure", [SIGKILL, SIGSEGV, BARE_EXIT, NCCL_ERR])
+def test_infrastructure_failures_stop_when_the_budget_is_spent(failure):
+    d = P.decide_on_failure({0: failure}, 0, None, HEALTHY)
+    assert d.action == Action.STOP_JOB and "no restarts" in d.reason
+
+
+def test_negative_exitcode_is_read_as_a_signal():
+    assert P.classify_rank_failure(0, info(exitcode=-9)).detail == "killed by SIGKILL"
+    assert P.classify_rank_failure(0, info(exitcode=-7)).kind == P.SIGNAL
+
+
+def test_signal_beats_communication_and_bare_exit():
+    assert P.classify_failures({0: GLOO_PEER, 1: SIGKILL, 2: BARE_EXIT}).rank == 1
+
+
+# ------------------------------------------------------------------------------ diagnosis
+
+
+@pytest.mark.parametrize(
+    "category,action",
+    [
+        ("python_exception", Action.STOP_JOB),
+        ("cuda_oom", Action.STOP_JOB),
+        ("cuda_error_other", Action.STOP_JOB),
+        ("nan_loss", Action.STOP_JOB),
+        ("disk_full_or_io", Action.STOP_JOB),
+        ("nccl_network", Action.RESTART),
+        ("nccl_timeout", Action.RESTART),
+        ("rendezvous_failure", Action.RESTART),
+        ("hang_no_error", Action.RESTART),
+        ("segfault", Action.RESTART),
+        ("host_oom", Action.RESTART),
+        ("gpu_hardware", Action.EXCLUDE_NODE),
+    ],
+)
+def test_diagnosis_category_decides_when_known(category, action):
+    d = P.decide_on_failure({0: BARE_EXIT}, 2, {"category": category, "rank": 0, "summary": "x"}, HEALTHY)
+    assert d.action == action
+    assert d.evidence["diagnosis"]["category"] == category
+
+
+def test_rank_comes_from_the_diagnosis_first_failure():
+    diag = {"category": "python_exception", "summary": "ZeroDivisionError", "first_failure": {"rank": 1}}
+    assert P.decide_on_failure({0: GLOO_PEER, 1: ZERODIV}, 2, diag, HEALTHY).rank == 1
+
+
+@pytest.mark.parametrize("category", ["unknown", "healthy", "dataloader", "slowdown"])
+def test_vague_diagnosis_categories_defer_to_the_failure_info(category):
+    assert P.decide_on_failure({1: ZERODIV}, 2, {"category": category}, HEALTHY).action == Action.STOP_JOB
+    assert P.decide_on_failure({1: SIGKILL}, 2, {"category": category}, HEALTHY).action == Action.RESTART
+
+
+def test_unknown_diagnosis_category_falls_back_to_the_failure_info():
+    assert P.decide_on_failure({0: ZERODIV}, 2, {"category": "mystery"}, HEALTHY).action == Action.STOP_JOB
+    assert P.decide_on_failure({0: SIGKILL}, 2, {"category": "mystery"}, HEALTHY).action == Action.RESTART
+
+
+def test_every_combination_yields_a_decision_with_evidence():
+    failures = [ZERODIV, GLOO_PEER, NCCL_ERR, SIGKILL, SIGSEGV, BARE_EXIT, ECC_TAIL, TRACEBACK_ONLY, info()]
+    diagnoses = [None, {"category": "python_exception"}, {"category": "nccl_network"}, {"category": "??"}]
+    for f, diag, hw, budget in itertools.product(failures, diagnoses, [None, HEALTHY, FAULTY], [0, 1, 3]):
+        d = P.decide_on_failure({0: f}, budget, diag, hw)
+        assert d.action in (Action.RESTART, Action.STOP_JOB, Action.EXCLUDE_NODE)
+        assert d.reason and d.evidence["failed_ranks"] == [0]
+        if hw is FAULTY:
+            assert d.action == Action.EXCLUDE_NODE
+        if d.action == Action.RESTART:
+            assert budget > 0
+
+
+def test_old_interface_still_works():
+    assert P.on_worker_failure({0: SIGKILL}, 1).action == Action.RESTART
+    assert P.on_worker_failure({0: SIGKILL}, 0).action == Action.STOP_JOB
+    assert P.on_worker_failure({}, 1).action == Action.RESTART
+
+
+def test_error_file_with_plain_string_message():
+    assert P.classify_rank_failure(0, info(error={"message": "AssertionError: x"})).kind == P.USER
+
+
+# ------------------------------------------------------------------ before start (1-2)
+
+
+def test_failed_node_is_excluded_and_the_rest_rerendezvous_when_elastic():
+    faulty = {2: "pre-check failed: item disk-size root ... failed"}
+    mine = P.decide_before_start(2, 4, 3, faulty, evidence={"stage": "precheck"})
+    assert mine.action == Action.EXCLUDE_NODE and mine.exit_message == "The node is down."
+    assert mine.source == "precheck"
+    for other in (0, 1, 3):
+        d = P.decide_before_start(other, 4, 3, faulty)
+        assert d.action == Action.RERENDEZVOUS and "continuing on 3" in d.reason
+    named = P.decide_before_start(0, 4, 3, faulty, names={2: "gpu-07"})
+    assert named.reason.startswith("node 2 (gpu-07) excluded")
+
+
+def test_the_rest_stop_with_the_reason_when_not_elastic():
+    d = P.decide_before_start(0, 4, 4, {2: "bad"})
+    assert d.action == Action.STOP_JOB and "needs at least 4" in d.reason
+
+
+def test_nothing_to_do_when_all_nodes_pass():
+    assert P.decide_before_start(0, 4, 4, {}) is None
+    assert P.decide_before_start(0, 4, 4, {}, {3: "slow"}) is None  # stragglers only reported
+
+
+def test_straggler_leaves_only_when_asked():
+    d = P.decide_before_start(3, 4, 2, {}, {3: "2.5x"}, exclude_stragglers=True)
+    assert d.action == Action.EXCLUDE_NODE and d.exit_message == P.STRAGGLER_EXIT_MESSAGE
+    assert (
+        P.decide_before_start(0, 4, 2, {}, {3: "2.5x"}, exclude_stragglers=True).action == Action.RERENDEZVOUS
+    )
+
+
+def test_undetermined_node_check_stops_everyone():
+    for n in range(2):
+        assert P.decide_before_start(n, 2, 1, {}, undetermined="cannot tell").action == Action.STOP_JOB
+
+
+def test_single_failed_node_stops_its_own_job():
+    d = P.decide_before_start(0, 1, 1, {0: "bad disk"})
+    assert d.action == Action.EXCLUDE_NODE
+
+
+@pytest.mark.parametrize(
+    "spec,current,want", [("3:4", 4, 3), ("4", 4, 4), (None, 2, 2), ("", 3, 3), ("x", 2, 2), (2, 5, 2)]
+)
+def test_min_nodes_of(spec, current, want):
+    assert P.min_nodes_of(spec, current) == want
+
+
+def test_periodic_hardware_fault_isolates_the_node():
+    d = P.decide_on_hardware_fault(["Xid 79 (GPU has fallen off the bus)"], {"node": "a"})
+    assert d.action == Action.EXCLUDE_NODE and d.exit_message == P.NODE_DOWN_MESSAGE
+    assert d.evidence["faults"] and d.evidence["node"] == "a"
+
+
+def test_action_values_are_plain_strings():
+    assert f"{Action.EXCLUDE_NODE}" == "exclude_node" and Action("restart") is Action.RESTART
