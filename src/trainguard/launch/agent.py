@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 WORKER_STORE_KEY = "trainguard/worker_store"
 LEAVING_KEY = "trainguard/leaving"
+STOP_KEY = "trainguard/stop"
 
 
 class NodeExcluded(Exception):
@@ -264,10 +265,9 @@ class TrainguardAgent(LocalElasticAgent):
     def _poll_monitors(self, wg: WorkerGroup, result: RunResult) -> RunResult:
         if self.ctx is None:
             return result
-        if self._peer_leaving(wg):
-            self.restart_reason = "a node left the job"
-            self._remaining_restarts += 1  # a membership change does not use the restart budget
-            return RunResult(state=WorkerState.UNHEALTHY)
+        peer = self._peer_news(wg)
+        if peer is not None:
+            return peer
         for m in self.monitors:
             decision = self._call(m, "poll", self.ctx)
             if decision is None or decision.action == Action.CONTINUE:
@@ -276,21 +276,43 @@ class TrainguardAgent(LocalElasticAgent):
             if decision.action == Action.EXCLUDE_NODE:
                 raise NodeExcluded(decision)
             if decision.action == Action.STOP_JOB:
-                self.stop_decision = decision
-                self._remaining_restarts = 0
+                self._stop_everywhere(decision)
             self.restart_reason = decision.reason
             return RunResult(state=WorkerState.FAILED)
         return result
 
-    def _peer_leaving(self, wg: WorkerGroup) -> bool:
+    def _peer_news(self, wg: WorkerGroup, force: bool = False) -> RunResult | None:
+        """Another agent stopped the job or left it: act on it (checked about once a second)."""
         now = time.monotonic()
-        if wg.store is None or wg.group_world_size in (None, 1) or now - self._last_leave_check < 1.0:
-            return False
+        if wg.store is None or (wg.group_world_size or 1) == 1:
+            return None
+        if not force and now - self._last_leave_check < 1.0:
+            return None
         self._last_leave_check = now
         try:
-            return bool(wg.store.check([LEAVING_KEY]))
-        except Exception:
-            return False
+            if wg.store.check([STOP_KEY]):
+                reason = wg.store.get(STOP_KEY).decode(errors="replace")
+                self.stop_decision = Decision(Action.STOP_JOB, reason, source="peer")
+                self._remaining_restarts = 0
+                return RunResult(state=WorkerState.FAILED)
+            if wg.store.check([LEAVING_KEY]):
+                self.restart_reason = f"node {wg.store.get(LEAVING_KEY).decode(errors='replace')} left the job"
+                self._remaining_restarts += 1  # a membership change does not use the restart budget
+                return RunResult(state=WorkerState.UNHEALTHY)
+        except Exception:  # the store host may be gone; elastic's own failure handling takes over
+            return None
+        return None
+
+    def _stop_everywhere(self, decision: Decision) -> None:
+        """The policy stopped the job: stop here, and tell the other agents so they stop too."""
+        self.stop_decision = decision
+        self._remaining_restarts = 0
+        store = self._worker_group.store
+        if store is not None and (self._worker_group.group_world_size or 1) > 1:
+            try:
+                store.set(STOP_KEY, f"{decision.reason} (decided on {self.bus.node})")
+            except Exception as exc:
+                log.warning("could not tell the other agents to stop: %s", exc)
 
     def announce_leaving(self) -> None:
         """Tell the other agents this node leaves, so they re-form without using a restart."""
@@ -343,9 +365,7 @@ class TrainguardAgent(LocalElasticAgent):
                 evidence={**info, "attempt": self.attempt, "stopped_ranks": stopped},
             )
         self.final_failures = failures
-        if self._peer_leaving(wg):
-            self.restart_reason = "a node left the job"
-            self._remaining_restarts += 1
+        if self._peer_news(wg, force=True) is not None:
             return result
         if self.ctx is not None:
             self.ctx.extra.clear()
@@ -357,8 +377,7 @@ class TrainguardAgent(LocalElasticAgent):
         if decision.action == Action.EXCLUDE_NODE:
             raise NodeExcluded(decision)
         if decision.action == Action.STOP_JOB:
-            self.stop_decision = decision
-            self._remaining_restarts = 0
+            self._stop_everywhere(decision)
         self.restart_reason = decision.reason
         return result
 
