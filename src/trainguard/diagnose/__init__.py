@@ -1,1 +1,78 @@
-"""diagnose"""
+"""Log diagnosis: the first failure across ranks, its root cause, evidence and a fix.
+
+from trainguard.diagnose import diagnose_paths
+result = diagnose_paths(["run/logs/attempt-0"])   # the same dict `trainguard diagnose --json` prints
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from trainguard.diagnose.rules import RuleError, RuleSet, load_rules
+from trainguard.diagnose.sources import SourceError
+
+__all__ = ["diagnose_paths", "RuleError", "SourceError", "DiagnoseError"]
+
+DiagnoseError = (RuleError, SourceError)
+
+_cache: dict[tuple[str, ...], tuple[RuleSet, Any]] = {}
+
+
+def _scanner(extra_rules: list[Path] | None, engine: str = "auto"):
+    from trainguard.diagnose.scan import Scanner
+
+    key = (engine, *(str(p) for p in extra_rules or []))
+    if key not in _cache or extra_rules:  # built-in rules are compiled once per process; user files re-read
+        rules = load_rules([Path(p) for p in extra_rules or []])
+        _cache[key] = (rules, Scanner(rules, engine))
+    return _cache[key]
+
+
+def diagnose_paths(
+    paths: list[str | Path],
+    extra_rules: list[Path] | None = None,
+    *,
+    failures: dict[int, dict[str, Any]] | None = None,
+    max_bytes_per_file: int | None = None,
+    window: int = DEFAULT_WINDOW,
+    threshold: float = DEFAULT_THRESHOLD,
+    engine: str = "auto",
+) -> dict[str, Any]:
+    """Diagnose log files/dirs/globs. ``failures`` is the agent's failure info (rank -> exitcode,
+    signal, error_file_data, ...). ``max_bytes_per_file`` bounds the read to the head and the last
+    bytes of each file. Raises RuleError / SourceError for bad rules files or paths."""
+    from trainguard.diagnose.analyze import analyze
+    from trainguard.diagnose.failures import failure_hits, read_error_files
+    from trainguard.diagnose.sources import describe, error_files, expand
+
+    rules, scanner = _scanner(extra_rules, engine)
+    files = expand(paths)
+    scans = [scanner.scan(describe(f), max_bytes_per_file) for f in files if not f.name.endswith(".json")]
+    failure_info = read_error_files(error_files([Path(p) for p in paths if Path(p).exists()]))
+    for rank, info in (failures or {}).items():
+        failure_info[int(rank)] = {**failure_info.get(int(rank), {}), **info}
+    extra = failure_hits(failure_info, rules)
+    result, first = analyze(
+        scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold
+    )
+    ff = result.get("first_failure")
+    off = first.offset if first is not None else None
+    if ff and off is not None and ff.get("file"):
+        from trainguard.diagnose.scan import context_before
+
+        ff["context"] = context_before(ff["file"], off)
+    result["stats"] = {
+        "files": len(scans),
+        "bytes": sum(s.bytes for s in scans),
+        "hits": sum(len(s.hits) for s in scans),
+        "dropped_hits": sum(s.dropped_hits for s in scans),
+        "prefilter": scanner.prefilter.engine,
+    }
+    if failure_info:
+        result["failures"] = {
+            str(r): {k: v for k, v in i.items() if k in ("exitcode", "signal", "pid", "error_file")}
+            for r, i in sorted(failure_info.items())
+        }
+    return result

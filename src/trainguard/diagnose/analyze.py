@@ -1,0 +1,320 @@
+"""Cross-rank analysis (pure): from rule hits and progress of every file to one verdict.
+
+1. Hits are grouped per rank into incidents (hits within ``INCIDENT_WINDOW_S`` of the incident's
+   first hit). An incident is decided by its most specific hit (highest priority); its role is that
+   hit's role, so a rank whose traceback ends in "Connection closed by peer" is a symptom.
+2. The first failure is the earliest incident whose role is ``cause`` (else the earliest symptom).
+   Hits without a time (failure info) join their rank's first incident; incidents without any time
+   come after timed ones, ordered by when the agent saw the failure, then by priority.
+3. Cross-rank findings: GDR on some hosts only, ranks at different epochs/steps at the end,
+   collective timeouts not reported by some ranks (suspects), an error on a rank that did not exit.
+4. No failure: a slowdown from step times, a hang (ranks stopped at different steps, or stopped
+   from outside), or healthy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, detect
+from trainguard.diagnose.lines import iso
+from trainguard.diagnose.rules import RuleSet
+from trainguard.diagnose.scan import Hit, Progress, SourceScan
+
+INCIDENT_WINDOW_S = 10.0
+MAX_EVIDENCE = 12
+MAX_CASCADE = 16
+ERROR_NO_EXIT_S = 10.0  # the failing rank kept logging this long after its error: it did not exit
+
+
+@dataclass
+class Incident:
+    key: Any
+    hits: list[Hit] = field(default_factory=list)
+
+    @property
+    def start(self) -> float | None:
+        times = [h.time for h in self.hits if h.time is not None]
+        return min(times) if times else None
+
+    @property
+    def end(self) -> float | None:
+        times = [h.time for h in self.hits if h.time is not None]
+        return max(times) if times else None
+
+    @property
+    def best(self) -> Hit:
+        # most specific; then a real log line over failure info; then the earliest
+        return max(self.hits, key=lambda h: (h.rule.priority, not h.synthetic,
+                                             -h.time if h.time is not None else float("-inf"), -h.order))  # fmt: skip
+
+    @property
+    def failure_time(self) -> float | None:
+        times = [h.failure_time for h in self.hits if h.failure_time is not None]
+        return min(times) if times else None
+
+
+def hit_dict(h: Hit) -> dict[str, Any]:
+    return {
+        "rank": h.rank,
+        "host": h.host,
+        "time": iso(h.time),
+        "line": h.line,
+        "file": h.file,
+        "line_no": h.line_no,
+        "rule": h.rule.id,
+        "category": h.rule.category,
+        "role": h.rule.role,
+    }
+
+
+def _key(h: Hit) -> Any:
+    if h.rank is not None:
+        return ("rank", h.rank)
+    if h.host is not None:
+        return ("host", h.host)
+    return ("file", h.file)
+
+
+def incidents(hits: Sequence[Hit]) -> list[Incident]:
+    by_key: dict[Any, list[Hit]] = {}
+    for h in hits:
+        by_key.setdefault(_key(h), []).append(h)
+    out: list[Incident] = []
+    for key, hs in by_key.items():
+        timed = sorted((h for h in hs if h.time is not None), key=lambda h: (h.time, h.order))
+        untimed = [h for h in hs if h.time is None]
+        mine: list[Incident] = []
+        for h in timed:
+            if mine and h.time - mine[-1].hits[0].time <= INCIDENT_WINDOW_S:  # type: ignore[operator]
+                mine[-1].hits.append(h)
+            else:
+                mine.append(Incident(key, [h]))
+        if untimed:
+            if mine:
+                mine[0].hits.extend(untimed)
+            else:
+                mine.append(Incident(key, untimed))
+        out += mine
+    return out
+
+
+def _order(inc: Incident) -> tuple:
+    start, ft = inc.start, inc.failure_time
+    rank = inc.key[1] if inc.key[0] == "rank" else 1 << 30
+    return (start is None, start or 0.0, ft is None, ft or 0.0, -inc.best.rule.priority, rank)
+
+
+def _confidence(h: Hit) -> str:
+    if h.rule.confidence:
+        return h.rule.confidence
+    if h.rule.role == "cause" and h.rule.priority >= 60:
+        return "high"
+    if h.rule.priority >= 30:
+        return "medium"
+    return "low"
+
+
+def _gdr_finding(facts: list[Hit]) -> dict[str, Any] | None:
+    gdr_hosts = {h.host for h in facts if h.rule.id == "nccl.gdr_channel" and h.host}
+    channel_hosts = {h.host for h in facts if h.rule.id == "nccl.channel" and h.host}
+    without = sorted(channel_hosts - gdr_hosts)
+    if not gdr_hosts or not without:
+        return None
+    ev = [
+        next(h for h in facts if h.rule.id == "nccl.gdr_channel" and h.host == host)
+        for host in sorted(gdr_hosts)
+    ][:4]
+    ev += [next(h for h in facts if h.rule.id == "nccl.channel" and h.host == host) for host in without][:4]
+    return {
+        "id": "gdr_mismatch",
+        "message": f"GPUDirect RDMA (GDRDMA) is used on {', '.join(sorted(gdr_hosts))} but not on {', '.join(without)}",
+        "fix": 'Turn GDR off everywhere (os.environ["NCCL_NET_GDR_LEVEL"] = "0" at the start of the program) '
+        "or have operations enable GDR on the nodes without it.",
+        "hosts_with_gdr": sorted(gdr_hosts),
+        "hosts_without_gdr": without,
+        "evidence": [hit_dict(h) for h in ev],
+    }
+
+
+def _alignment_findings(progress: dict[Any, Progress]) -> list[dict[str, Any]]:
+    ranked = {r: p for r, p in progress.items() if r is not None}
+    if len(ranked) < 2:
+        return []
+    epochs = {r: p.epoch for r, p in ranked.items() if p.epoch is not None}
+    if len(set(epochs.values())) > 1 and len(epochs) == len(ranked):
+        groups: dict[int, list[int]] = {}
+        for r, e in sorted(epochs.items()):
+            groups.setdefault(e, []).append(r)
+        desc = "; ".join(f"epoch {e}: ranks {rs}" for e, rs in sorted(groups.items()))
+        return [{
+            "id": "data_misaligned",
+            "message": f"ranks ended at different epochs ({desc}): the data split is not aligned, so some "
+            "ranks finished while others wait for them",
+            "fix": "Give every rank the same number of batches (DistributedSampler with drop_last=True, or "
+            "split the tensors evenly), so no rank leaves the last epoch early.",
+            "ranks_behind": groups[min(groups)],
+            "evidence": [{"rank": r, "time": iso(ranked[r].time), "line": ranked[r].line} for r in sorted(ranked)][:8],
+        }]  # fmt: skip
+    steps = {r: p.step for r, p in ranked.items() if p.step is not None}
+    if len(steps) >= 2 and max(steps.values()) - min(steps.values()) >= 2:
+        low = min(steps.values())
+        behind = sorted(r for r, s in steps.items() if s == low)
+        return [{
+            "id": "ranks_at_different_steps",
+            "message": f"at the end, rank(s) {behind} were at step {low} while others reached step "
+            f"{max(steps.values())}: the ranks behind were stuck (or the data is not aligned)",
+            "fix": "Look at what the ranks behind were doing (py-spy dump); make sure every rank runs the same "
+            "number of steps.",
+            "ranks_behind": behind,
+            "evidence": [{"rank": r, "time": iso(ranked[r].time), "line": ranked[r].line} for r in behind][:8],
+        }]  # fmt: skip
+    return []
+
+
+def _suspects(hits: list[Hit], ranks_seen: set[int]) -> dict[str, Any] | None:
+    timed_out = {h.rank for h in hits if h.rule.category == "nccl_timeout" and h.rank is not None}
+    missing = sorted(ranks_seen - timed_out)
+    if not timed_out or not missing:
+        return None
+    return {
+        "id": "suspect_ranks",
+        "message": f"ranks {sorted(timed_out)} reported a collective timeout but rank(s) {missing} did not: "
+        "those were most likely stuck or dead and are the place to look",
+        "ranks": missing,
+    }
+
+
+def _no_exit(
+    first: Incident, scans: list[SourceScan], all_hits: list[Hit], has_failures: bool
+) -> dict[str, Any] | None:
+    if has_failures or first.end is None or first.key[0] != "rank":
+        return None
+    if any(h.rule.id.startswith(("launcher.", "elastic.")) for h in all_hits):
+        return None
+    rank = first.key[1]
+    last = max((s.last_time.get(rank, float("-inf")) for s in scans), default=float("-inf"))
+    progressed = any(p.time is not None and p.time > first.end for s in scans for p in s.progress.values())
+    if last < first.end + ERROR_NO_EXIT_S or progressed:
+        return None
+    return {
+        "id": "error_without_exit",
+        "message": f"rank {rank} logged an error but kept running without progress (its log goes on "
+        f"{last - first.end:.0f} s after the error): the job did not exit, so the other ranks wait for it",
+        "fix": "Fix the error; and let errors end the process (do not catch and continue in a rank; set "
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1) so the job fails fast instead of hanging.",
+        "rank": rank,
+    }
+
+
+def _slowdown(scans: list[SourceScan], window: int, threshold: float) -> dict[str, Any] | None:
+    series: dict[Any, list[tuple[int, float]]] = {}
+    for s in scans:
+        for rank, samples in s.steps.items():
+            series.setdefault(rank, []).extend(samples)
+    found = {}
+    for rank, samples in series.items():
+        warns = detect(samples, window, threshold)
+        if warns:
+            found[rank] = warns
+    if not found:
+        return None
+    rank = min(found, key=lambda r: (r is None, r if r is not None else 0))
+    warns = found[rank]
+    return {
+        "rank": rank,
+        "ranks": sorted(r for r in found if r is not None),
+        "warnings": [w.to_dict() for w in warns[-5:]],
+        "worst_ratio": round(max(w.ratio for w in warns), 4),
+    }
+
+
+def analyze(
+    scans: list[SourceScan],
+    extra_hits: list[Hit],
+    rules: RuleSet,
+    has_failures: bool = False,
+    window: int = DEFAULT_WINDOW,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> tuple[dict[str, Any], Hit | None]:
+    """The verdict (a JSON-able dict) and the hit it names as the first failure (None if none)."""
+    hits = [h for s in scans for h in s.hits] + list(extra_hits)
+    facts = [h for s in scans for h in s.facts]
+    ranks_seen: set[int] = set().union(*(s.ranks for s in scans)) if scans else set()
+    ranks_seen |= {h.rank for h in hits if h.rank is not None}
+    progress: dict[Any, Progress] = {}
+    for s in scans:
+        for r, p in s.progress.items():
+            old = progress.get(r)
+            if old is None or (p.time or 0) >= (old.time or 0):
+                progress[r] = p
+
+    findings: list[dict[str, Any]] = []
+    gdr = _gdr_finding(facts)
+    if gdr:
+        findings.append(gdr)
+    findings += _alignment_findings(progress)
+    slow = _slowdown(scans, window, threshold)
+
+    incs = incidents(hits)
+    causes = sorted((i for i in incs if i.best.rule.role == "cause"), key=_order)
+    symptoms = sorted((i for i in incs if i.best.rule.role != "cause"), key=_order)
+    first = causes[0] if causes else (symptoms[0] if symptoms else None)
+
+    result: dict[str, Any] = {"category": "healthy", "summary": "", "confidence": "medium", "first_failure": None,
+                              "evidence": [], "fix": "", "findings": findings, "cascade": [], "slowdown": slow}  # fmt: skip
+    if first is not None:
+        best = first.best
+        cat = best.rule.category
+        result["category"] = cat
+        result["confidence"] = _confidence(best)
+        result["first_failure"] = {k: v for k, v in hit_dict(best).items() if k not in ("category", "role")}
+        ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
+        ev = [best] + [h for h in ev if h is not best]
+        result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
+        result["fix"] = rules.fix_for(best.rule)
+        where = f"rank {best.rank}" if best.rank is not None else (best.host or best.file)
+        if best.host and best.rank is not None:
+            where += f" on {best.host}"
+        result["summary"] = f"{best.rule.summary or rules.summary_for(cat)} ({where})"
+        others = [i for i in sorted(incs, key=_order) if i is not first and i.key != first.key]
+        seen_keys: set[Any] = set()
+        for inc in others:
+            if inc.key in seen_keys:
+                continue
+            seen_keys.add(inc.key)
+            result["cascade"].append(hit_dict(inc.best))
+            if len(result["cascade"]) >= MAX_CASCADE:
+                break
+        if cat == "nccl_timeout":
+            sus = _suspects(hits, ranks_seen)
+            if sus:
+                findings.append(sus)
+        ne = _no_exit(first, scans, hits, has_failures)
+        if ne:
+            findings.append(ne)
+    else:
+        lag = next((f for f in findings if f["id"] in ("data_misaligned", "ranks_at_different_steps")), None)
+        if lag is not None:
+            result.update(category="hang_no_error", confidence="medium", fix=lag["fix"] + " " + rules.fix_for("hang_no_error"),
+                          summary=f"{rules.summary_for('hang_no_error')}; {lag['message']}")  # fmt: skip
+            result["first_failure"] = {"rank": lag["ranks_behind"][0], "host": None, "time": lag["evidence"][0]["time"],
+                                       "line": lag["evidence"][0]["line"], "file": None, "line_no": None, "rule": lag["id"]}  # fmt: skip
+            result["evidence"] = lag["evidence"]
+        elif gdr is not None:
+            result.update(category="hang_no_error", confidence="low", fix=gdr["fix"],
+                          summary=f"no error logged, but {gdr['message']}: a known cause of hangs at start")  # fmt: skip
+            result["evidence"] = gdr["evidence"]
+        elif slow is not None:
+            w = slow["warnings"][0]
+            result.update(category="slowdown", confidence="high", fix=rules.fix_for("slowdown"),
+                          summary=f"{rules.summary_for('slowdown')}: {w['message']}")  # fmt: skip
+            result["evidence"] = [{"rank": slow["rank"], "line": x["message"]} for x in slow["warnings"]]
+        else:
+            result.update(
+                summary=rules.summary_for("healthy"), fix=rules.fix_for("healthy"), confidence="medium"
+            )
+    result["ranks"] = sorted(ranks_seen)
+    return result, (first.best if first is not None else None)

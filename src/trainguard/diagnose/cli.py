@@ -1,0 +1,98 @@
+"""`trainguard diagnose PATH... [--json]`: first failure, root cause, evidence and fix from logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files, directories, globs (.gz too)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--rules", action="append", type=Path, default=[], metavar="FILE",
+                   help="extra rules file (TOML, same format as the built-in rules); repeatable")  # fmt: skip
+    p.add_argument("--max-mb", type=float, default=None, metavar="MB",
+                   help="read only the first 1 MB and the last MB of each file")  # fmt: skip
+    p.add_argument(
+        "--window", type=int, default=DEFAULT_WINDOW, help="slowdown smoothing window (iterations)"
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="slowdown warning ratio (mean/baseline - 1)",
+    )
+
+
+def _fmt_hit(h: dict[str, Any]) -> str:
+    where = " ".join(x for x in (
+        f"rank {h['rank']}" if h.get("rank") is not None else "",
+        f"host {h['host']}" if h.get("host") else "",
+        h.get("time") or "",
+    ) if x)  # fmt: skip
+    return (f"  [{where}] " if where else "  ") + str(h.get("line", ""))
+
+
+def render(r: dict[str, Any]) -> str:
+    out = [f"category:   {r['category']}  (confidence: {r['confidence']})", f"summary:    {r['summary']}"]
+    ff = r.get("first_failure")
+    if ff:
+        out.append("first failure:")
+        out.append(_fmt_hit(ff))
+        if ff.get("file"):
+            out.append(f"    at {ff['file']}" + (f":{ff['line_no']}" if ff.get("line_no") else ""))
+        if ff.get("context"):
+            out.append("    logged just before it:")
+            out += [f"      {c}" for c in ff["context"][-6:]]
+    if r.get("evidence"):
+        out.append("evidence:")
+        out += [_fmt_hit(h) for h in r["evidence"]]
+    if r.get("cascade"):
+        out.append("then (cascade on other ranks):")
+        out += [_fmt_hit(h) for h in r["cascade"][:8]]
+    for f in r.get("findings", []):
+        out.append(f"finding {f['id']}: {f['message']}")
+        if f.get("fix"):
+            out.append(f"  fix: {f['fix']}")
+    if r.get("slowdown"):
+        out.append("slowdown:")
+        out += [f"  {w['message']}" for w in r["slowdown"]["warnings"]]
+    if r.get("fix"):
+        out.append(f"fix: {r['fix']}")
+    s = r.get("stats", {})
+    out.append(f"({s.get('files', 0)} files, {s.get('bytes', 0) / 1e6:.1f} MB scanned)")
+    return "\n".join(out)
+
+
+def main(args: argparse.Namespace) -> int:
+    from trainguard.diagnose import DiagnoseError, diagnose_paths
+
+    if args.window < 1 or args.threshold <= 0 or (args.max_mb is not None and args.max_mb <= 0):
+        print(
+            "trainguard diagnose: error: --window must be >= 1, --threshold and --max-mb > 0", file=sys.stderr
+        )
+        return 2
+    try:
+        result = diagnose_paths(
+            args.paths,
+            args.rules,
+            max_bytes_per_file=None if args.max_mb is None else int(args.max_mb * (1 << 20)),
+            window=args.window,
+            threshold=args.threshold,
+        )
+    except DiagnoseError as exc:
+        print(f"trainguard diagnose: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        print(
+            json.dumps(result, ensure_ascii=False, default=str) if args.json else render(result), flush=True
+        )
+    except BrokenPipeError:  # `trainguard diagnose ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0

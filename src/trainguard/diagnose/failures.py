@@ -1,0 +1,91 @@
+"""Failure info (exit codes, signals, torch elastic error files) as evidence lines.
+
+The agent knows how each worker ended; torch elastic error files (``error-<rank>.json``) hold the
+exception message. Both are turned into synthetic lines and run through the same rules as log
+lines, so the rules stay the one place that maps text to a category.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal as _signal
+from pathlib import Path
+from typing import Any
+
+from trainguard.diagnose.rules import RuleSet
+from trainguard.diagnose.scan import Hit
+
+_MAX_ERROR_FILE = 1 << 20
+
+
+def _signal_name(value: Any, exitcode: Any) -> str | None:
+    if isinstance(value, str) and value:
+        return value if value.startswith("SIG") else f"SIG{value}"
+    if isinstance(exitcode, int) and exitcode < 0:
+        try:
+            return _signal.Signals(-exitcode).name
+        except ValueError:
+            return None
+    return None
+
+
+def _error_message(data: Any) -> str:
+    """The exception text of a torch elastic error file: {"message": {"message": str, ...}} or {"message": str}."""
+    if not isinstance(data, dict):
+        return ""
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        msg = msg.get("message", "")
+    return msg if isinstance(msg, str) else ""
+
+
+def failure_hits(failures: dict[int, dict[str, Any]], rules: RuleSet, origin: str = "<agent>") -> list[Hit]:
+    hits: list[Hit] = []
+    for rank, info in sorted(failures.items(), key=lambda kv: kv[0]):
+        if not isinstance(info, dict):
+            continue
+        exitcode = info.get("exitcode")
+        sig = _signal_name(info.get("signal"), exitcode)
+        lines = []
+        if sig:
+            num = _signal.Signals[sig].value if sig in _signal.Signals.__members__ else "?"
+            lines.append(f"Signal {num} ({sig}) received by PID {info.get('pid')}")
+        elif isinstance(exitcode, int) and exitcode != 0:
+            lines.append(f"exitcode : {exitcode} (pid: {info.get('pid')})")
+        msg = _error_message(info.get("error_file_data")) or info.get("message") or ""
+        lines += [ln for ln in str(msg).splitlines()[-20:] if ln.strip()]
+        ts = info.get("timestamp")
+        for order, text in enumerate(lines):
+            best = next((r for r in rules.match_line(text) if r.role != "fact"), None)
+            if best is None:
+                continue
+            hits.append(Hit(best, int(rank), None, None, origin, None, text, text, order, synthetic=True,
+                            failure_time=float(ts) if isinstance(ts, int | float) else None))  # fmt: skip
+    return hits
+
+
+_ERROR_FILE_RANK = re.compile(r"error-(\d+)\.json$")
+
+
+def read_error_files(paths: list[Path]) -> dict[int, dict[str, Any]]:
+    """rank -> failure info from torch elastic error files named ``error-<rank>.json``."""
+    out: dict[int, dict[str, Any]] = {}
+    for p in paths:
+        m = _ERROR_FILE_RANK.search(p.name)
+        if not m:
+            continue
+        try:
+            with open(p, "rb") as f:
+                data = json.loads(f.read(_MAX_ERROR_FILE).decode("utf-8", errors="replace"))
+        except (OSError, ValueError):
+            continue
+        ts = None
+        if isinstance(data, dict) and isinstance(data.get("message"), dict):
+            extra = data["message"].get("extraInfo") or {}
+            try:
+                ts = float(extra.get("timestamp"))
+            except (TypeError, ValueError):
+                ts = None
+        out[int(m[1])] = {"error_file_data": data, "exitcode": 1, "timestamp": ts, "error_file": str(p)}
+    return out

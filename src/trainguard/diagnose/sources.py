@@ -1,0 +1,210 @@
+"""Find the log files behind PATH arguments and read them in big chunks, bounded.
+
+A path is a file, a directory (searched recursively for log-like files), or a glob. ``.gz`` files
+are decompressed on the fly. Each file's rank and host are guessed from its name
+(``rank-3.log``, ``attempt_0/3/stderr.log``, ``node-a/rank-0.log``, ``worker-1.log``).
+With ``max_bytes`` only the first ``HEAD_BYTES`` and the last ``max_bytes`` of a file are read.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import os
+import re
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CHUNK = 8 << 20
+HEAD_BYTES = 1 << 20
+LOG_SUFFIXES = {".log", ".txt", ".out", ".err", ".gz", ".jsonl", ""}
+_RANK_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)(?:\D|$)", re.I)
+_HOSTY = re.compile(r"(?i)^(?:.*(?:node|worker|host|pod|master|gpu|server)[\w.-]*|[a-z][\w-]*-\d+)$")
+_GENERIC = {"stdout", "stderr", "log", "logs", "train", "output", "console", "err", "out"}
+
+
+class SourceError(ValueError):
+    """A path argument names nothing readable."""
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    rank: int | None
+    host: str | None
+    year: int
+
+
+def _stem(p: Path) -> str:
+    name = p.name[:-3] if p.name.endswith(".gz") else p.name
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def describe(path: Path) -> Source:
+    """Rank and host from the file name and its parent folders."""
+    stem = _stem(path)
+    rank = None
+    m = _RANK_NAME.search(stem)
+    if m:
+        rank = int(m[1])
+    elif stem in ("stdout", "stderr") and path.parent.name.isdigit():  # torchrun --log-dir layout
+        rank = int(path.parent.name)
+    host = None
+    if m is None and stem.lower() not in _GENERIC and _HOSTY.match(stem):
+        host = stem
+    elif path.parent.name and _HOSTY.match(path.parent.name) and not path.parent.name.startswith("attempt"):
+        host = path.parent.name
+    try:
+        year = time.localtime(path.stat().st_mtime).tm_year
+    except OSError:
+        year = time.localtime().tm_year
+    return Source(path, rank, host, year)
+
+
+def _is_log(p: Path) -> bool:
+    suffix = p.suffix.lower() if not p.name.endswith(".gz") else ".gz"
+    return suffix in LOG_SUFFIXES and not p.name.startswith(".")
+
+
+def expand(paths: list[str | Path]) -> list[Path]:
+    """The files to read, in a stable order, each once. Raises SourceError for a path naming nothing."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            found = []
+            for root, dirs, files in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [Path(root) / f for f in sorted(files) if _is_log(Path(f))]
+            out += found
+        elif any(c in str(raw) for c in "*?["):
+            hits = [Path(h) for h in sorted(glob.glob(str(raw), recursive=True))]
+            files = [h for h in hits if h.is_file()]
+            if not files:
+                raise SourceError(f"{raw}: no file matches")
+            out += files
+        else:
+            raise SourceError(f"{raw}: no such file or directory")
+    seen: set[Path] = set()
+    uniq = []
+    for f in out:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            uniq.append(f)
+    return uniq
+
+
+def error_files(paths: list[Path]) -> list[Path]:
+    """torch elastic error files (``error-<rank>.json``) next to the given files or inside given dirs."""
+    out = []
+    for p in paths:
+        out += sorted(p.rglob("error-*.json")) if p.is_dir() else sorted(p.parent.glob("error-*.json"))
+    return sorted(set(out))
+
+
+@dataclass
+class Chunk:
+    data: bytes  # whole lines only (the last line may lack its newline)
+    start_line: int | None  # 0-based line number of the first line, None when not known (tail reads)
+    offset: int | None = None  # byte offset of data in the file (None for .gz)
+
+
+def read_chunks(path: Path, max_bytes: int | None = None) -> Iterator[Chunk]:
+    """Whole-line chunks of a file. Never raises for unreadable or corrupt data: it just stops."""
+    if path.name.endswith(".gz"):
+        yield from _lines_of(_gz_blocks(path, max_bytes), first_line=0 if max_bytes is None else None)
+        return
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed in finally
+    except OSError:
+        return
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > HEAD_BYTES + max_bytes:
+            yield from _lines_of(_blocks(f, 0, HEAD_BYTES), first_line=0, offset=0)
+            yield from _lines_of(_blocks(f, size - max_bytes, None), first_line=None, skip_partial=True,
+                                 offset=size - max_bytes)  # fmt: skip
+        else:
+            yield from _lines_of(_blocks(f, 0, None), first_line=0, offset=0)
+    except OSError:
+        return
+    finally:
+        f.close()
+
+
+def _blocks(f, offset: int, limit: int | None) -> Iterator[bytes]:
+    f.seek(offset)
+    left = limit
+    while left is None or left > 0:
+        b = f.read(CHUNK if left is None else min(CHUNK, left))
+        if not b:
+            return
+        if left is not None:
+            left -= len(b)
+        yield b
+
+
+def _gz_blocks(path: Path, max_bytes: int | None) -> Iterator[bytes]:
+    """Decompressed blocks; with max_bytes, the head and the last max_bytes only (bounded memory)."""
+    tail: deque[bytes] = deque()
+    kept = 0
+    seen = 0
+    try:
+        with gzip.open(path, "rb") as g:
+            while True:
+                b = g.read(CHUNK)
+                if not b:
+                    break
+                if max_bytes is None or seen < HEAD_BYTES:
+                    seen += len(b)
+                    yield b
+                    continue
+                tail.append(b)
+                kept += len(b)
+                while kept - len(tail[0]) >= max_bytes:
+                    kept -= len(tail.popleft())
+    except (OSError, EOFError, zlib.error):
+        pass  # truncated or not gzip: keep what was read
+    if tail:
+        yield b"\n"  # the head and the tail are not contiguous
+        yield from tail
+
+
+def _lines_of(
+    blocks: Iterator[bytes], first_line: int | None = 0, skip_partial: bool = False, offset: int | None = None
+) -> Iterator[Chunk]:
+    carry = b""
+    line_no = first_line
+    first = True
+    for b in blocks:
+        buf = carry + b if carry else b
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            if len(buf) > CHUNK:  # a giant line: hand it over as it is rather than grow forever
+                carry = b""
+                yield Chunk(buf, line_no, offset)
+                line_no = None if line_no is None else line_no + 1
+                offset = None if offset is None else offset + len(buf)
+            else:
+                carry = buf
+            continue
+        data, carry = buf[: cut + 1], buf[cut + 1 :]
+        if first and skip_partial:  # a tail read starts mid-line
+            nl = data.find(b"\n")
+            data = data[nl + 1 :]
+            offset = None if offset is None else offset + nl + 1
+        first = False
+        if data:
+            yield Chunk(data, line_no, offset)
+            if line_no is not None:
+                line_no += data.count(b"\n")
+            offset = None if offset is None else offset + len(data)
+    if carry:
+        yield Chunk(carry, line_no, offset)

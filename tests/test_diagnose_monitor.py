@@ -1,0 +1,97 @@
+"""The diagnosis monitor: diagnose the attempt's rank logs on worker failure, emit a `diagnosis` event."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from trainguard.events import EventBus
+from trainguard.events.store import EventStore
+from trainguard.launch import diagnosis_monitor
+from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
+
+CORPUS = Path(__file__).resolve().parent / "corpus"
+
+
+def _ctx(run_dir: Path, restart_count: int = 1) -> tuple[MonitorContext, EventStore]:
+    store = EventStore(run_dir)
+    ctx = MonitorContext(
+        run_dir=run_dir, node="node-a", node_rank=0, nnodes=1, nproc_per_node=2, world_size=2,
+        restart_count=restart_count, workers=[WorkerInfo(0, 0, 100), WorkerInfo(1, 1, 101)],
+        events=EventBus(store, "node-a"), steps=StepTracker(),
+    )  # fmt: skip
+    return ctx, store
+
+
+def _options(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    diagnosis_monitor.add_run_arguments(p.add_argument_group("diagnosis"))
+    return p.parse_args(list(argv))
+
+
+def test_monitor_diagnoses_the_attempt_logs_and_emits_an_event(tmp_path: Path):
+    attempt = tmp_path / "logs" / "attempt-1"
+    shutil.copytree(CORPUS / "host_oom" / "sigkill", attempt)
+    ctx, store = _ctx(tmp_path)
+    mon = diagnosis_monitor.create(_options())
+    try:
+        failures = {
+            0: {
+                "local_rank": 0,
+                "pid": 100,
+                "exitcode": 1,
+                "signal": None,
+                "error_file_data": None,
+                "log_tail": [],
+            },
+            1: {
+                "local_rank": 1,
+                "pid": 101,
+                "exitcode": -9,
+                "signal": "SIGKILL",
+                "error_file_data": None,
+                "log_tail": [],
+            },
+        }
+        mon.on_workers_failed(ctx, failures)
+        d = ctx.extra["diagnosis"]
+        assert d["category"] == "host_oom" and d["first_failure"]["rank"] == 1 and d["attempt"] == 1
+        (ev,) = store.query(kinds=["diagnosis"])
+        assert ev.rank == 1 and ev.severity.label == "error" and ev.evidence["category"] == "host_oom"
+        assert "SIGKILL" in ev.evidence["first_failure"]["line"]
+    finally:
+        store.close()
+
+
+def test_monitor_uses_error_file_data_and_log_tails_without_logs(tmp_path: Path):
+    ctx, store = _ctx(tmp_path, restart_count=0)
+    mon = diagnosis_monitor.create(_options("--diagnose-max-mb", "1"))
+    try:
+        failures = {1: {"local_rank": 1, "pid": 101, "exitcode": 1, "signal": None, "log_tail": [],
+                        "error_file_data": {"message": {"message": "OSError: [Errno 28] No space left on device",
+                                                        "extraInfo": {"py_callstack": "...", "timestamp": "1795253401"}}}}}  # fmt: skip
+        mon.on_workers_failed(ctx, failures)
+        assert ctx.extra["diagnosis"]["category"] == "disk_full_or_io"
+        failures = {0: {"local_rank": 0, "pid": 100, "exitcode": 1, "signal": None, "error_file_data": None,
+                        "log_tail": ["step=3 rank=0", "RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly"]}}  # fmt: skip
+        mon.on_workers_failed(ctx, failures)
+        assert ctx.extra["diagnosis"]["category"] == "dataloader"
+        assert [e.evidence["category"] for e in store.query(kinds=["diagnosis"])] == [
+            "disk_full_or_io",
+            "dataloader",
+        ]
+    finally:
+        store.close()
+
+
+def test_monitor_never_raises_and_can_be_switched_off(tmp_path: Path):
+    assert diagnosis_monitor.create(_options("--no-diagnose")) is None
+    ctx, store = _ctx(tmp_path)
+    try:
+        mon = diagnosis_monitor.create(_options())
+        mon.on_workers_failed(ctx, {"not-a-rank": "garbage"})  # type: ignore[dict-item]
+        assert ctx.extra["diagnosis"]["category"] == "unknown"
+        assert store.query(kinds=["diagnosis"])
+    finally:
+        store.close()

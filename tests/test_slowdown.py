@@ -1,0 +1,142 @@
+"""Slowdown detection: the pure detector, step-time parsing, and `trainguard slowdown`."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainguard.cli import main as cli_main
+from trainguard.detect.slowdown import SlowdownDetector, detect
+from trainguard.diagnose.steplog import StepTimer, parse_step
+
+SEED_WARNINGS = [
+    "Smoothed mean (iters 83-87: 9465.00 ms, baseline: 3101.00 ms), threshold ratio:2.05. Warning",
+    "Smoothed mean (iters 88-92: 16704.00 ms, baseline: 3101.00 ms), threshold ratio:4.39. Warning",
+]
+MEGATRON = Path(__file__).resolve().parent / "corpus" / "slowdown" / "megatron_seed_numbers" / "megatron.log"
+
+
+def _seed_samples() -> list[tuple[int, float]]:
+    return [(i, 3101.0 if i < 83 else 9465.0 if i < 88 else 16704.0) for i in range(3, 93)]
+
+
+def test_seed_numbers_give_the_seed_warnings_exactly():
+    assert [w.format() for w in detect(_seed_samples())] == SEED_WARNINGS
+
+
+def test_baseline_is_the_fastest_window_and_threshold_is_the_excess():
+    det = SlowdownDetector(window=2, threshold=0.5)
+    out = [det.feed(i, ms) for i, ms in enumerate([100, 100, 80, 80, 119, 121, 200, 200], start=1)]
+    warns = [w for w in out if w]
+    assert det.baseline_ms == 80.0
+    assert [(w.first_iter, w.last_iter, round(w.ratio, 3)) for w in warns] == [(5, 6, 0.5), (7, 8, 1.5)]
+    assert detect([(1, 100.0), (2, 179.0)], window=1, threshold=0.8) == []
+
+
+def test_restart_drops_the_open_window_and_bad_values_are_ignored():
+    det = SlowdownDetector(window=3, threshold=0.8)
+    for i, ms in [(1, 10), (2, 10), (3, 10), (4, 50), (5, 50)]:
+        det.feed(i, ms)
+    assert det.feed(3, 50) is None  # resumed from step 2: the window [4, 5] is dropped
+    assert det.feed(4, float("nan")) is None and det.feed(4, -1) is None
+    assert det.feed(4, 50) is None
+    w = det.feed(5, 50)
+    assert w is not None and (w.first_iter, w.last_iter) == (3, 5)
+    with pytest.raises(ValueError):
+        SlowdownDetector(window=0)
+
+
+@pytest.mark.parametrize(
+    "line, iteration, ms",
+    [
+        (" iteration      100/  500000 | consumed samples: 12800 | elapsed time per iteration (ms): 3101.2 | lr: 1E-4 |", 100, 3101.2),
+        (" 10%|█         | 83/800 [04:12<36:00,  3.10s/it]", 83, 3100.0),
+        (" 10%|█         | 83/800 [04:12<36:00,  2.00it/s]", 83, 500.0),
+    ],
+)  # fmt: skip
+def test_step_lines_with_a_duration(line, iteration, ms):
+    obs = parse_step(line)
+    assert (obs.iteration, obs.ms) == (iteration, pytest.approx(ms))
+
+
+def test_step_times_from_clocks():
+    t = StepTimer()
+    assert t.feed(parse_step("step=5 rank=1 t=1763717401.000 loss=0.1")) is None
+    assert t.feed(parse_step("step=7 rank=1 t=1763717402.000 loss=0.1")) == (7, 500.0)
+    lf = StepTimer()
+    rows = [
+        '{"current_steps": 10, "elapsed_time": "0:01:00"}',
+        '{"current_steps": 20, "elapsed_time": "0:01:30"}',
+    ]
+    assert [lf.feed(parse_step(r)) for r in rows] == [None, (20, 3000.0)]
+    ds = StepTimer()  # DeepSpeed: step numbers timed by the line's own timestamp
+    assert ds.feed(parse_step("[Rank 0] step=100, skipped=0, lr=[0.1]", line_time=10.0)) is None
+    assert ds.feed(parse_step("[Rank 0] step=110, skipped=0, lr=[0.1]", line_time=12.0)) == (110, 200.0)
+    hf = StepTimer()  # HF Trainer log_history rows in a timestamped log
+    assert hf.feed(parse_step('{"loss": 2.1, "step": 50, "epoch": 0.1}', line_time=100.0)) is None
+    assert hf.feed(parse_step("{'loss': 2.0, 'step': 60, 'epoch': 0.12}", line_time=103.0)) == (60, 300.0)
+    assert parse_step("resume step=5") is None and parse_step("no numbers here") is None
+
+
+def test_cli_prints_the_seed_lines(capsys):
+    assert cli_main(["slowdown", str(MEGATRON)]) == 0
+    assert capsys.readouterr().out.splitlines() == SEED_WARNINGS
+    assert cli_main(["slowdown", str(MEGATRON), "--json", "--threshold", "3"]) == 0
+    (only,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert only["first_iter"] == 88 and only["message"] == SEED_WARNINGS[1]
+
+
+def test_cli_bad_usage(tmp_path, capsys):
+    assert cli_main(["slowdown", str(tmp_path / "nope.log")]) == 2
+    assert cli_main(["slowdown", str(MEGATRON), "--window", "0"]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_per_rank_series_from_trainguard_logs(tmp_path, capsys):
+    lines = []
+    t = 1763717400.0
+    for step in range(1, 31):
+        t += 0.1 if step <= 20 else 0.3
+        for rank in (0, 1):
+            lines.append(
+                f"2026-11-21T09:30:{step:02d}.000000 [rank{rank}]: step={step} rank={rank} t={t + rank * 0.01:.3f} loss=1\n"
+            )
+    log = tmp_path / "rank-all.log"
+    log.write_text("".join(lines))
+    assert cli_main(["slowdown", str(log), "--rank", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out and all(x.startswith("2026-11-21 09:30:") and x.endswith("Warning") for x in out)
+
+
+@pytest.mark.slow
+def test_cli_follow_sees_appended_lines(tmp_path):
+    t0 = 1763717400.0
+    log = tmp_path / "train.log"
+    log.write_text("".join(f"step={i} rank=0 t={t0 + i * 0.1:.3f}\n" for i in range(1, 12)))
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard", "slowdown", str(log), "--follow"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        t = t0 + 11 * 0.1
+        with open(log, "a") as f:
+            for i in range(12, 30):
+                t += 0.5
+                f.write(f"step={i} rank=0 t={t:.3f}\n")
+        first = lines.get(timeout=60)  # generous: the CLI polls the file twice a second
+        assert (
+            first.strip()
+            == "Smoothed mean (iters 12-16: 500.00 ms, baseline: 100.00 ms), threshold ratio:4.00. Warning"
+        )
+        assert proc.poll() is None  # still following
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
