@@ -1,0 +1,86 @@
+"""The readable hang report: RUN_DIR/hang-<time>-<node>-attempt<n>.txt."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from trainguard.detect.culprit import CulpritVerdict, RankView
+from trainguard.detect.hang import Assessment
+from trainguard.probes.stacks import StackDump
+
+
+def report_path(run_dir: Path, when: float, node: str, attempt: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
+    safe_node = re.sub(r"[^A-Za-z0-9_.-]", "_", node) or "node"
+    return Path(run_dir) / f"hang-{stamp}-{safe_node}-attempt{attempt}.txt"
+
+
+def render(
+    when: float,
+    node: str,
+    attempt: int,
+    assessment: Assessment,
+    verdict: CulpritVerdict,
+    dumps: dict[int, StackDump],
+    remote: dict[int, RankView] | None = None,
+) -> str:
+    culprit = "unknown (see reason)" if verdict.rank is None else f"rank {verdict.rank}"
+    lines = [
+        "trainguard hang report",
+        f"time:    {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(when))}",
+        f"node:    {node}    attempt: {attempt}",
+        f"culprit: {culprit}",
+        f"reason:  {verdict.reason}",
+        f"rule:    {assessment.rule}: {assessment.message}",
+    ]
+    if verdict.candidates and len(verdict.candidates) > 1:
+        lines.append(f"odd ranks: {', '.join(map(str, verdict.candidates))}")
+    if verdict.causes:
+        lines += ["", "known causes shown by the evidence:"]
+        lines += [f"  - {c['cause']}: {c['advice']}" for c in verdict.causes]
+    lines += ["", "ranks:"]
+    for rank, position in sorted(verdict.positions.items()):
+        d = dumps.get(rank)
+        pid = d.pid if d else "?"
+        state = d.state if d else "?"
+        mark = "  <== culprit" if rank == verdict.rank else ""
+        lines.append(f"  rank {rank} (pid {pid}, state {state or 'gone'}): {position.describe()}{mark}")
+    lines += ["", "signals:"]
+    lines += ["  " + ln for ln in json.dumps(assessment.signals, indent=2, default=str).splitlines()]
+    lines += ["", "stacks (innermost frame first):"]
+    for rank, d in sorted(dumps.items()):
+        lines.append(f"--- rank {rank} pid {d.pid} state {d.state or 'gone'}"
+                     + (" (read without pausing: process stopped)" if d.nonblocking else "") + " ---")
+        if d.error:
+            lines.append(f"  stack unavailable: {d.error}")
+        for t in d.threads:
+            flags = ", ".join(f for f, on in (("active", t.active), ("holds GIL", t.owns_gil)) if on) or "idle"
+            lines.append(f"  Thread {t.name or t.thread_id} ({flags}):")
+            lines += [f"      {fr.name} ({fr.filename}:{fr.line})" for fr in t.frames]
+    for rank, view in sorted((remote or {}).items()):
+        lines.append(f"--- rank {rank} (another node) state {view.state or 'gone'} ---")
+        if view.error:
+            lines.append(f"  stack unavailable: {view.error}")
+        lines += [f"      {fr.name} ({fr.filename}:{fr.line})" for fr in view.frames]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(
+    run_dir: Path,
+    when: float,
+    node: str,
+    attempt: int,
+    assessment: Assessment,
+    verdict: CulpritVerdict,
+    dumps: dict[int, StackDump],
+    remote: dict[int, RankView] | None = None,
+) -> Path:
+    path = report_path(run_dir, when, node, attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(render(when, node, attempt, assessment, verdict, dumps, remote), encoding="utf-8")
+    tmp.replace(path)
+    return path

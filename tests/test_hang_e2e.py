@@ -1,0 +1,54 @@
+"""End to end through `trainguard run`: the profiling monitor feeds step samples from the workers'
+optimizer hooks, the hang monitor finds the culprit (a rank spinning in Python; a rank sleeping
+before all_reduce on another node), the agent restarts the group, and the job finishes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tgtest import SCRIPTS, events, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_hang_busy_loop_through_trainguard_run(jobs, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    job = jobs(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", run,
+        "--hang-period", "0.5", "--hang-step-slack", "3",
+        SCRIPTS / "hang_worker.py", "--steps", "30", "--fault", "spin", "--fault-rank", "0", "--fault-step", "10",
+    )  # fmt: skip
+    assert job.wait() == 0, job.output()
+    hangs = events(run, "hang_detected")
+    assert len(hangs) == 1, [e.message for e in hangs]
+    ev = hangs[0]
+    assert ev.rank == 0 and ev.evidence["rule"] == "steps", ev.message
+    assert ev.evidence["ranks"]["0"]["kind"] == "user" and ev.evidence["ranks"]["0"]["busy"]
+    assert ev.evidence["ranks"]["1"]["op"] == "all_reduce"
+    assert "spin_forever" in ev.evidence["stack"][0]
+    assert Path(ev.evidence["report"]).exists()
+    decisions = [e for e in events(run, "policy_decision") if e.evidence.get("source") == "hang"]
+    assert len(decisions) == 1 and decisions[0].rank == 0 and decisions[0].evidence["action"] == "restart"
+    kinds = [e.kind for e in events(run)]
+    assert kinds.index("hang_detected") < kinds.index("restart") < len(kinds) - 1
+    assert kinds[-1] == "job_succeeded", kinds
+
+
+def test_hang_culprit_on_the_other_node(jobs, tmp_path: Path) -> None:
+    """Two agents, one worker each: the node whose only rank waits in all_reduce names the culprit
+    on the other node from the stacks the nodes share through the rendezvous store."""
+    run = tmp_path / "run"
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hang2", "--max-restarts", "1",
+              "--run-dir", run, "--hang-period", "0.5", "--hang-step-slack", "3"]  # fmt: skip
+    script = [SCRIPTS / "hang_worker.py", "--steps", "30", "--fault", "sleep", "--fault-rank", "1", "--fault-step", "10"]
+    agents = [jobs("run", *common, "--node-name", f"node{i}", *script, name=f"node{i}") for i in (0, 1)]
+    for a in agents:
+        assert a.wait() == 0, a.output()
+    hangs = events(run, "hang_detected")
+    assert len(hangs) == 2 and {e.rank for e in hangs} == {1}, [(e.node, e.message) for e in hangs]
+    remote = [e for e in hangs if "on another node" in e.evidence["reason"]]
+    assert len(remote) == 1 and remote[0].evidence["ranks"]["1"]["kind"] == "user"
+    assert "hang_worker.py" in remote[0].evidence["stack"][0]  # the culprit's stack, from the other node
+    assert {e.node for e in events(run, "job_succeeded")} == {"node0", "node1"}

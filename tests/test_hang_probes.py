@@ -1,0 +1,197 @@
+"""Probes on real processes: /proc I/O and CPU of a process tree, py-spy stacks (stopped ones too),
+and the hang monitor's options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from trainguard.launch import hang as hang_monitor
+from trainguard.probes import proc, stacks
+
+
+@contextmanager
+def python(code: str) -> Iterator[subprocess.Popen]:
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == b"ready"
+        yield p
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=30)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+# The child writes a line to a file each time the parent sends one on stdin, in a grandchild, so
+# the I/O only shows when children are counted.
+WRITER = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", '''
+import sys, os
+with open(os.devnull, "w") as f:
+    for line in sys.stdin:
+        f.write(line * 1000); f.flush()
+'''], stdin=subprocess.PIPE, text=True)
+print("ready", flush=True)
+for line in sys.stdin:
+    child.stdin.write(line); child.stdin.flush()
+"""
+
+
+def test_hang_proc_sample_counts_children_io() -> None:
+    with python(WRITER) as p:
+        assert p.stdin is not None
+        wait_for(lambda: proc.sample(0, p.pid, 0.0).children == 1)
+        before = proc.sample(0, p.pid, 1.0)
+        own_before = proc.read_io(p.pid)
+        p.stdin.write(b"x\n")
+        p.stdin.flush()
+        wait_for(lambda: proc.sample(0, p.pid, 2.0).io[1] >= before.io[1] + 2000)  # wchar of the grandchild
+        assert before.alive and before.state in ("S", "R") and before.io is not None
+        # the parent only passed the 2-byte line on: the 2000 bytes were written by its child
+        assert proc.read_io(p.pid)[1] - own_before[1] < 100
+
+
+def test_hang_proc_cpu_state_and_gone() -> None:
+    code = """
+    import time
+    print("ready", flush=True)
+    t = time.process_time()
+    while time.process_time() - t < 60: pass
+    """
+    with python(code) as p:
+        first = proc.sample(3, p.pid, 0.0)
+        wait_for(lambda: proc.sample(3, p.pid, 1.0).cpu > first.cpu + 0.2)
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: proc.read_state(p.pid) == "T")
+        assert proc.sample(3, p.pid, 2.0).state == "T"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    gone = proc.sample(3, p.pid, 3.0)
+    assert not gone.alive and gone.io is None
+    assert proc.read_io(p.pid) is None and proc.read_state(p.pid) == ""
+
+
+SLEEPER = """
+import time
+def waiting_here():
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)
+waiting_here()
+"""
+
+
+@pytest.mark.skipif(stacks.pyspy_path() is None, reason="py-spy not installed")
+def test_hang_stacks_running_and_stopped_process() -> None:
+    with python(SLEEPER) as p:
+        d = stacks.dump_stack(0, p.pid, timeout=30)
+        assert d.error is None and not d.nonblocking
+        main = d.main_thread()
+        assert main is not None and main.frames[0].name == "waiting_here"
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: proc.read_state(p.pid) == "T")
+        d = stacks.dump_stack(0, p.pid, timeout=30)
+        # ptrace cannot take over a stopped process: read without pausing instead
+        assert d.error is None and d.nonblocking and d.state == "T"
+        assert d.main_thread().frames[0].name == "waiting_here"
+        assert proc.read_state(p.pid) == "T"  # still stopped: we did not resume it
+        both = stacks.dump_all({0: p.pid, 1: 2**22 + 12345}, timeout=30)
+        assert both[0].threads and both[1].error == "process is gone"
+
+
+def test_hang_stacks_parse_rejects_garbage() -> None:
+    with pytest.raises(ValueError):
+        stacks.parse_pyspy_json("Error: Permission denied")
+    t = stacks.parse_pyspy_json(
+        '[{"thread_id": 1, "thread_name": "MainThread", "active": true, "owns_gil": true,'
+        ' "frames": [{"name": "f", "filename": "a.py", "line": 3}]}]'
+    )
+    assert t[0].frames[0] == stacks.Frame("f", "a.py", 3) and t[0].owns_gil
+
+
+# --- options -------------------------------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    hang_monitor.add_run_arguments(parser.add_argument_group("hang"))
+    return parser.parse_args(argv)
+
+
+def test_hang_options_flag_env_and_seed_alias(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in hang_monitor.DETECT_TIME_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert hang_monitor.config_from(parse([])).detect_time == 30 * 60
+    monkeypatch.setenv("MA_HANG_DETECT_TIME", "5")
+    assert hang_monitor.config_from(parse([])).detect_time == 300
+    monkeypatch.setenv("TRAINGUARD_HANG_DETECT_TIME", "2")
+    assert hang_monitor.config_from(parse([])).detect_time == 120
+    cfg = hang_monitor.config_from(
+        parse(["--hang-detect-time", "0.5", "--hang-period", "0.2", "--hang-step-slack", "3"])
+    )
+    assert (cfg.detect_time, cfg.period, cfg.step_slack) == (30, 0.2, 3)
+    assert hang_monitor.create(parse(["--no-hang-detect"])) is None
+    assert isinstance(hang_monitor.create(parse([])), hang_monitor.HangMonitor)
+
+
+def test_hang_options_bad_values(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--hang-detect-time", "-1"])
+    assert "expected minutes > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--hang-period", "soon"])
+    monkeypatch.delenv("TRAINGUARD_HANG_DETECT_TIME", raising=False)
+    monkeypatch.setenv("MA_HANG_DETECT_TIME", "thirty")
+    with pytest.raises(ValueError, match="MA_HANG_DETECT_TIME='thirty'"):
+        hang_monitor.config_from(parse([]))
+
+
+# --- nodes share their stacks through the rendezvous store ------------------------------------
+
+
+def test_hang_views_shared_across_nodes_name_a_remote_culprit() -> None:
+    from torch.distributed import TCPStore
+
+    from trainguard.detect.culprit import RankView, find_culprit
+    from trainguard.probes.stacks import Frame
+
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    waiting = (Frame("all_reduce", c10d, 3252), Frame("main", "/job/train.py", 96))
+    node0 = {0: RankView(0, "S", waiting), 1: RankView(1, "S", waiting)}
+    node1 = {2: RankView(2, "S", waiting), 3: RankView(3, "S", (Frame("load", "/job/data.py", 12),))}
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        assert find_culprit(node0, nnodes=2).rank is None  # node 0 alone cannot tell
+        hang_monitor.publish_views(store, 0, 1, node1)
+        got = hang_monitor.gather_views(hang_monitor._client(store), 0, 0, 2, wait_s=10.0)
+        assert set(got) == {2, 3} and got[3].frames[0].name == "load"
+        assert find_culprit({**got, **node0}).rank == 3
+        # a node that never publishes: the wait is bounded and nothing is invented
+        assert hang_monitor.gather_views(store, 0, 0, 3, wait_s=0.5).keys() == {2, 3}
+    finally:
+        del store
