@@ -100,7 +100,7 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
     assert [e.node for e in failed] == ["node2"]
     assert any(i["item"] == "disk-size shm" and i["status"] == "failed" for i in failed[0].evidence["items"])
     assert sorted(e.node for e in kinds(tmp_path, "precheck_passed")) == ["node0", "node1", "node3"]
-    assert [e.node for e in kinds(tmp_path, "node_excluded")] == ["node2"]
+    # node_excluded itself is recorded by the agent when it carries the decision out (test_checks_e2e).
 
     # Next round without node 2: no new pre-check runs (first round only), everyone starts.
     again = before_start_all(
