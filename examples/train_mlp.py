@@ -34,7 +34,12 @@ def parse_args() -> argparse.Namespace:
     # Fault injection for tests and demos.
     p.add_argument("--fail-rank", type=int, default=-1, help="rank that fails (see --fail-step)")
     p.add_argument("--fail-step", type=int, default=-1, help="step at which --fail-rank fails")
-    p.add_argument("--fail-mode", choices=["raise", "zerodiv", "exit", "kill"], default="raise")
+    p.add_argument(
+        "--fail-mode",
+        choices=["raise", "zerodiv", "exit", "kill", "hang", "stop"],
+        default="raise",
+        help="hang: sleep forever before the all-reduce; stop: SIGSTOP itself",
+    )
     p.add_argument("--fail-always", action="store_true", help="fail on every attempt (default: first only)")
     return p.parse_args()
 
@@ -88,6 +93,12 @@ def maybe_fail(args: argparse.Namespace, rank: int, step: int) -> None:
         os._exit(3)
     elif args.fail_mode == "kill":
         os.kill(os.getpid(), 9)
+    elif args.fail_mode == "hang":
+        while True:  # the other ranks now wait in the gradient all-reduce
+            time.sleep(60)
+    elif args.fail_mode == "stop":
+        os.kill(os.getpid(), 19)
+        return
     raise RuntimeError(f"injected failure at step {step} on rank {rank}")
 
 
