@@ -50,6 +50,8 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
+    # No prefix matching: a script flag such as --ckpt must never be taken for our --ckpt-dir.
+    parser.allow_abbrev = False
     parser.prog = "trainguard run"
     parser.description = "Launch a guarded distributed job. Accepts every torchrun flag."
     add_trainguard_arguments(parser)

@@ -1,0 +1,253 @@
+"""Shared-memory slots: one file in a tmpfs directory (``/dev/shm/...``) holds one rank's snapshot.
+
+Handshake: the agent creates the directory and passes it to workers (``TRAINGUARD_CKPT_SHM_DIR``).
+A worker creates its own two slot files there, ``rank-<global rank>.slot0/1`` (double buffering:
+it always writes the slot that does not hold its newest complete snapshot), sized when it first
+saves. The files outlive the worker (a SIGKILL leaves them intact: the bytes are already in the page
+cache) and the agent removes the whole directory when it closes, so the agent owns cleanup.
+
+Slot layout: a 4 KiB header page, the JSON manifest at ``manifest_off``, the tensor bytes at
+``data_off``. Consistency without locks: the worker sets ``state=WRITING`` before touching a slot
+and ``state=COMPLETE`` (with a new ``seq``) after the last byte is in place. The agent pins the slot
+it persists (the worker then leaves it alone) and checks that ``(state, seq)`` is unchanged after
+reading — a seqlock, so even a race with the pin cannot produce a torn checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import shutil
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = b"TGCKSLT1"
+VERSION = 1
+HEADER_SIZE = 4096
+# magic, version, state, seq, step, manifest_off, manifest_len, data_off, data_len, time, rank, world
+_HDR = struct.Struct("<8sIIQqQQQQdii")
+_STATE = struct.Struct("<I")
+_STATE_OFF = 12
+_PIN = struct.Struct("<Q")
+_PIN_OFF = 512  # written by the agent only; the worker never writes this field
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+_GROW_QUANTUM = 1 << 20
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    state: int
+    seq: int
+    step: int
+    manifest_off: int
+    manifest_len: int
+    data_off: int
+    data_len: int
+    time: float
+    rank: int
+    world: int
+    pin: int
+
+    @property
+    def complete(self) -> bool:
+        return self.state == COMPLETE
+
+
+def slot_path(shm_dir: Path, rank: int, index: int) -> Path:
+    return Path(shm_dir) / f"rank-{rank:05d}.slot{index}"
+
+
+def parse_slot_name(name: str) -> tuple[int, int] | None:
+    """'rank-00003.slot1' -> (3, 1)"""
+    if not name.startswith("rank-") or ".slot" not in name:
+        return None
+    rank, _, index = name[5:].partition(".slot")
+    if not (rank.isdigit() and index.isdigit()):
+        return None
+    return int(rank), int(index)
+
+
+def payload_offsets(manifest_len: int) -> tuple[int, int]:
+    """(manifest_off, data_off) for a manifest of this size."""
+    data_off = HEADER_SIZE + (manifest_len + HEADER_SIZE - 1) // HEADER_SIZE * HEADER_SIZE
+    return HEADER_SIZE, data_off
+
+
+class Slot:
+    """One mapped slot file. The worker creates/grows/writes it; the agent opens it to read and pin."""
+
+    def __init__(self, path: Path, fd: int, populate: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._populate = populate
+        self._mm: mmap.mmap | None = None
+        self.size = 0
+        self._map()
+
+    @classmethod
+    def create(cls, path: Path, size: int) -> Slot:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            _allocate(fd, max(size, HEADER_SIZE))
+            return cls(path, fd, populate=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open(cls, path: Path, populate: bool = False) -> Slot:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return cls(path, fd, populate=populate)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _map(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size < HEADER_SIZE:
+            raise OSError(errno.EINVAL, f"slot {self.path} is too small ({size} bytes)")
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self._populate else 0)
+        self._mm = mmap.mmap(self._fd, size, flags=flags)
+        self.size = size
+
+    @property
+    def mm(self) -> mmap.mmap:
+        assert self._mm is not None, "slot is closed"
+        return self._mm
+
+    def grow(self, size: int) -> bool:
+        """Make the file at least ``size`` bytes (ENOSPC raised here, never as SIGBUS later).
+        Returns True when the mapping changed (callers drop views of the old one first)."""
+        if size <= self.size:
+            return False
+        size = (size + _GROW_QUANTUM - 1) // _GROW_QUANTUM * _GROW_QUANTUM
+        _allocate(self._fd, size)
+        self.mm.close()
+        self._map()
+        return True
+
+    def refresh(self) -> bool:
+        """Remap when another process grew the file. True when remapped."""
+        if os.fstat(self._fd).st_size == self.size:
+            return False
+        self.mm.close()
+        self._map()
+        return True
+
+    def header(self) -> SlotHeader | None:
+        fields = _HDR.unpack_from(self.mm, 0)
+        if fields[0] != MAGIC or fields[1] != VERSION:
+            return None
+        (pin,) = _PIN.unpack_from(self.mm, _PIN_OFF)
+        return SlotHeader(*fields[2:], pin=pin)
+
+    def begin_write(self, seq: int) -> None:
+        # state first: from here on a reader must not trust the slot's bytes.
+        _STATE.pack_into(self.mm, _STATE_OFF, WRITING)
+        _HDR.pack_into(self.mm, 0, MAGIC, VERSION, WRITING, seq, -1, 0, 0, 0, 0, 0.0, -1, 0)
+
+    def publish(self, seq: int, step: int, manifest_len: int, data_len: int, rank: int, world: int) -> None:
+        manifest_off, data_off = payload_offsets(manifest_len)
+        _HDR.pack_into(self.mm, 0, MAGIC, VERSION, WRITING, seq, step, manifest_off, manifest_len,
+                       data_off, data_len, time.time(), rank, world)
+        _STATE.pack_into(self.mm, _STATE_OFF, COMPLETE)  # last store: the snapshot is now valid
+
+    def set_pin(self, seq: int) -> None:
+        _PIN.pack_into(self.mm, _PIN_OFF, seq)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _allocate(fd: int, size: int) -> None:
+    old = os.fstat(fd).st_size
+    if old < size:
+        os.ftruncate(fd, size)
+    try:
+        # Reserve the pages now: writing a tmpfs mapping past its free space would be a SIGBUS.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        if old < size:
+            os.ftruncate(fd, old)  # leave no sparse tail that a later write could fault on
+        raise
+
+
+DIR_PREFIX = "trainguard-ckpt-"
+_OWNER = ".owner"
+_owner_fds: dict[Path, int] = {}
+
+
+def make_shm_dir(root: Path) -> Path:
+    """A fresh private directory for one agent's (or one local process's) slots. The creating
+    process holds an flock on ``.owner`` inside it for as long as it lives, so any later process
+    can tell (across PID namespaces too) that the directory is orphaned."""
+    remove_stale_dirs(root)
+    path = Path(root) / f"{DIR_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    path.mkdir(mode=0o700)
+    fd = os.open(path / _OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _owner_fds[path] = fd
+    return path
+
+
+def release_shm_dir(path: Path) -> None:
+    """Remove a directory made by ``make_shm_dir`` (the agent's cleanup)."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _owner_fds.pop(Path(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_stale_dirs(root: Path) -> list[Path]:
+    """Remove slot directories whose owner process is gone (an agent killed with SIGKILL)."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        path = Path(root) / name
+        if name.startswith(DIR_PREFIX) and path not in _owner_fds and _orphaned(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _orphaned(path: Path) -> bool:
+    try:
+        fd = os.open(path / _OWNER, os.O_RDWR)
+    except FileNotFoundError:
+        # Not made by make_shm_dir (or still being made): fall back to the PID in the name.
+        pid = path.name[len(DIR_PREFIX) :].partition("-")[0]
+        return pid.isdigit() and not _alive(int(pid))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its owner holds the lock: alive
+    finally:
+        os.close(fd)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,188 @@
+"""Agent side of fast checkpoints: owns the node's shared memory and persists snapshots.
+
+Before the first worker start it creates a private directory under ``--ckpt-shm-dir`` (tmpfs,
+``/dev/shm``) and hands it to workers (``TRAINGUARD_CKPT_SHM_DIR``). Each worker creates its
+rank's two slot files there on its first ``trainguard.checkpoint.save``; the files outlive worker
+deaths (SIGKILL included) and the directory is removed when the agent closes. A background thread
+persists each new snapshot to ``--ckpt-dir`` (temp file, fsync, atomic rename, manifest with
+CRC32, newest ``--ckpt-keep`` kept). When workers fail, the newest complete snapshots are
+persisted before the restart (save at breakpoint).
+
+Events: ``checkpoint_persisted`` (info), ``checkpoint_failed`` (error: disk full, unwritable
+directory...), and, relayed from workers, ``checkpoint_fallback`` (warning: newest checkpoint
+partial or corrupt, an older one loaded), ``checkpoint_loaded`` and ``checkpoint_skipped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint import disk
+from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR
+from trainguard.checkpoint.persist import Persister
+from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
+from trainguard.launch.monitor import Monitor, MonitorContext
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def add_run_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ckpt-dir", default=None,
+                       help="where trainguard.checkpoint snapshots are persisted (default: RUN_DIR/checkpoints)")
+    group.add_argument("--ckpt-keep", type=_positive_int, default=3, metavar="K",
+                       help="keep the newest K checkpoints per rank (default: 3)")
+    group.add_argument("--ckpt-shm-dir", default="/dev/shm",
+                       help="tmpfs where in-memory snapshots live (default: /dev/shm)")
+    group.add_argument("--ckpt-overlap", action="store_true",
+                       help="copy CPU tensors of trainguard.checkpoint.save on a helper thread during the next "
+                            "forward/backward (the optimizer step waits for it); default: copy inside save")
+    group.add_argument("--ckpt-write-limit", type=_non_negative_float, default=0.0, metavar="MB_S",
+                       help="cap the background persist rate in MB/s so it does not starve the job's I/O (0: none)")
+
+
+def create(options: argparse.Namespace) -> Monitor | None:
+    return CheckpointMonitor(
+        ckpt_dir=getattr(options, "ckpt_dir", None),
+        keep=getattr(options, "ckpt_keep", 3),
+        shm_root=getattr(options, "ckpt_shm_dir", "/dev/shm"),
+        write_limit_mb_s=getattr(options, "ckpt_write_limit", 0.0),
+        overlap=bool(getattr(options, "ckpt_overlap", False)),
+    )
+
+
+class CheckpointMonitor(Monitor):
+    name = "checkpoint"
+
+    def __init__(self, ckpt_dir: str | Path | None = None, keep: int = 3, shm_root: str | Path = "/dev/shm",
+                 write_limit_mb_s: float = 0.0, breakpoint_timeout_s: float = 600.0, overlap: bool = False) -> None:
+        self._ckpt_dir_opt = Path(ckpt_dir) if ckpt_dir else None
+        self.keep = keep
+        self.shm_root = Path(shm_root)
+        self.write_limit = write_limit_mb_s * 1e6
+        self.breakpoint_timeout_s = breakpoint_timeout_s
+        self.overlap = overlap
+        self.shm_dir: Path | None = None
+        self.ckpt_dir: Path | None = None
+        self._persister: Persister | None = None
+        self._ctx: MonitorContext | None = None
+        self._lock = threading.Lock()
+
+    # --- hooks -----------------------------------------------------------------------------------
+    def worker_env(self, run_dir: Path) -> dict[str, str]:
+        self._ensure_started(Path(run_dir))
+        assert self.shm_dir is not None and self.ckpt_dir is not None
+        env = {ENV_SHM_DIR: str(self.shm_dir), ENV_CKPT_DIR: str(self.ckpt_dir), ENV_KEEP: str(self.keep)}
+        if self.overlap:
+            env[ENV_OVERLAP] = "1"
+        return env
+
+    def on_before_start(self, ctx: MonitorContext) -> None:
+        self._ctx = ctx
+        return None
+
+    def on_workers_started(self, ctx: MonitorContext) -> None:
+        self._ctx = ctx
+
+    def poll(self, ctx: MonitorContext) -> None:
+        self._ctx = ctx  # the persist thread emits through the current context's bus
+        return None
+
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> None:
+        """Save at breakpoint: the newest complete snapshot of every rank goes to disk before the
+        restart (the shm copy survives the restart too, but not the loss of this node)."""
+        self._ctx = ctx
+        if self._persister is None:
+            return
+        done = self._run_pass_bounded(every_slot=True, trigger="breakpoint")
+        if done is not None and done:
+            steps = sorted({p.step for p in done})
+            log.info("checkpoint: persisted step(s) %s at breakpoint", steps)
+
+    def on_workers_stopped(self, ctx: MonitorContext) -> None:
+        self._ctx = ctx
+        if self._persister is not None:
+            self._run_pass_bounded(trigger="workers_stopped")
+
+    def close(self) -> None:
+        with self._lock:
+            persister, self._persister = self._persister, None
+            shm_dir, self.shm_dir = self.shm_dir, None
+        try:
+            if persister is not None:
+                persister.stop(flush=True)
+        finally:
+            if shm_dir is not None:
+                release_shm_dir(shm_dir)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _ensure_started(self, run_dir: Path) -> None:
+        with self._lock:
+            if self._persister is not None:
+                return
+            self.ckpt_dir = self._ckpt_dir_opt or run_dir / "checkpoints"
+            try:
+                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                removed = disk.clean_temp_files(self.ckpt_dir)
+                if removed:
+                    log.info("checkpoint: removed %d temp file(s) of interrupted persists", removed)
+            except OSError as exc:  # reported on the first persist; snapshots still work in memory
+                log.warning("checkpoint: checkpoint dir %s not usable: %s", self.ckpt_dir, exc)
+            self.shm_dir = make_shm_dir(self.shm_root)
+            self._persister = Persister(self.shm_dir, self.ckpt_dir, self.keep, self._emit,
+                                        max_write_bytes_per_s=self.write_limit)
+            self._persister.start()
+
+    def _run_pass_bounded(self, every_slot: bool = False, trigger: str = "background") -> list | None:
+        """A synchronous persist pass, on a helper thread so a stuck disk cannot wedge the agent."""
+        persister = self._persister
+        if persister is None:
+            return None
+        result: list = []
+
+        def work() -> None:
+            try:
+                result.extend(persister.run_pass(retry_failed=True, every_slot=every_slot, trigger=trigger))
+            except Exception as exc:
+                log.exception("checkpoint: breakpoint persist failed: %s", exc)
+
+        t = threading.Thread(target=work, name="trainguard-ckpt-breakpoint", daemon=True)
+        t.start()
+        t.join(self.breakpoint_timeout_s)
+        if t.is_alive():
+            self._emit("checkpoint_failed", f"persisting at breakpoint did not finish in {self.breakpoint_timeout_s:.0f} s; "
+                       "restarting anyway (the in-memory snapshot is still used on this node)", severity="error")
+            return None
+        return result
+
+    def _emit(self, kind: str, message: str, severity: str = "info", rank: int | None = None,
+              evidence: dict[str, Any] | None = None) -> None:
+        ctx = self._ctx
+        if ctx is None:
+            level = {"info": logging.INFO, "warning": logging.WARNING}.get(severity, logging.ERROR)
+            log.log(level, "[%s] %s", kind, message)
+            return
+        ctx.events.emit(kind, message, severity=severity, rank=rank, evidence=evidence)

@@ -1,0 +1,327 @@
+"""Snapshots in shared memory and checkpoints on disk, in one process: double buffering, torn
+snapshots, persist/prune, corrupt and partial checkpoints, a full disk, events."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainguard.checkpoint import disk
+from trainguard.checkpoint.client import Checkpointer
+from trainguard.checkpoint.shm import (
+    COMPLETE,
+    WRITING,
+    Slot,
+    make_shm_dir,
+    release_shm_dir,
+    remove_stale_dirs,
+    slot_path,
+)
+from trainguard.events import EventBus, EventStore
+from trainguard.launch.checkpoint_monitor import CheckpointMonitor
+from trainguard.launch.monitor import MonitorContext, StepTracker
+
+
+@pytest.fixture
+def shm_root(tmp_path):
+    # A private root under /dev/shm (real tmpfs), removed whatever happens.
+    root = Path("/dev/shm") / f"tg-ckpt-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def monitor(tmp_path, shm_root):
+    """A checkpoint monitor driven by hand, as the agent would, with a real event store."""
+    run_dir = tmp_path / "run"
+    mon = CheckpointMonitor(keep=2, shm_root=shm_root)
+    env = mon.worker_env(run_dir)
+    store = EventStore(run_dir)
+    ctx = MonitorContext(
+        run_dir=run_dir,
+        node="n0",
+        node_rank=0,
+        nnodes=1,
+        nproc_per_node=1,
+        world_size=1,
+        restart_count=0,
+        workers=[],
+        events=EventBus(store, "n0"),
+        steps=StepTracker(),
+    )
+    mon.on_workers_started(ctx)
+    try:
+        yield mon, env, store, ctx
+    finally:
+        mon.close()
+        store.close()
+
+
+def state_at(step: int, n: int = 1000) -> dict:
+    return {"w": torch.full((n,), float(step)), "step": step, "meta": {"lr": 0.1 * step}}
+
+
+def worker(env: dict[str, str], rank: int = 0) -> Checkpointer:
+    return Checkpointer(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), Path(env["TRAINGUARD_CKPT_DIR"]), rank, 1)
+
+
+def kinds(store: EventStore, kind: str):
+    return store.query(kinds=[kind])
+
+
+def test_checkpoint_save_persist_load_and_keep_k(monitor):
+    mon, env, store, ctx = monitor
+    w = worker(env)
+    for step in (1, 2, 3):
+        assert w.save(state_at(step), step)
+        mon._persister.run_pass()
+    ckpt_dir = Path(env["TRAINGUARD_CKPT_DIR"])
+    assert disk.list_steps(ckpt_dir, 0) == [3, 2]  # keep K=2
+    assert {e.evidence["step"] for e in kinds(store, "checkpoint_persisted")} == {1, 2, 3}
+    # A restarted process (same node) adopts the in-memory snapshot.
+    w.close()
+    w2 = worker(env)
+    got = w2.load_latest()
+    assert (
+        got["step"] == 3 and torch.equal(got["w"], torch.full((1000,), 3.0)) and got["meta"]["lr"] == 0.1 * 3
+    )
+    w2.close()
+
+
+def test_checkpoint_double_buffer_keeps_last_complete_snapshot_when_a_save_is_torn(monitor):
+    _, env, _, _ = monitor
+    w = worker(env)
+    assert w.save(state_at(1), 1)
+    assert w.save(state_at(2), 2)
+    # The worker dies in the middle of writing step 3: that slot is left WRITING, half copied.
+    index = w._target_slot()
+    slot = w._slots[index]
+    slot.begin_write(99)
+    slot.mm[slot.size - 8 :] = b"garbage!"
+    w.close()
+    w2 = worker(env)
+    assert w2.load_latest()["step"] == 2
+    assert {
+        Slot.open(slot_path(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), 0, i)).header().state for i in (0, 1)
+    } == {COMPLETE, WRITING}
+    # The next save goes to the torn slot, not over step 2.
+    assert w2.save(state_at(3), 3)
+    assert sorted(w2._memory_steps()) == [2, 3]
+    w2.close()
+
+
+def test_checkpoint_state_that_grows_gets_a_bigger_slot(monitor):
+    _, env, _, _ = monitor
+    w = worker(env)
+    for step, n in ((1, 10), (2, 300_000), (3, 600_000)):  # e.g. Adam state appears after step 1
+        assert w.save(state_at(step, n), step)
+        assert w.load_latest(agree=False)["w"].numel() == n
+    w.close()
+
+
+def test_checkpoint_pinned_slot_is_not_overwritten(monitor):
+    _, env, _, _ = monitor
+    w = worker(env)
+    assert w.save(state_at(1), 1)
+    assert w.save(state_at(2), 2)
+    older = 1 - w._latest
+    agent_view = Slot.open(w._slots[older].path)
+    agent_view.set_pin(agent_view.header().seq)  # the agent is persisting step 1 right now
+    assert w.save(state_at(3), 3)  # goes over step 2, leaves the pinned step 1 alone
+    assert sorted(w._memory_steps()) == [1, 3]
+    newest = Slot.open(w._slots[w._latest].path)
+    newest.set_pin(newest.header().seq)
+    assert not w.save(state_at(4), 4)  # both held: skipped, nothing torn
+    assert w.skipped == 1 and sorted(w._memory_steps()) == [1, 3]
+    newest.set_pin(0)
+    agent_view.set_pin(0)
+    assert w.save(state_at(4), 4)
+    assert sorted(w._memory_steps()) == [3, 4]
+    agent_view.close()
+    newest.close()
+    w.close()
+
+
+def test_checkpoint_persist_discards_a_snapshot_overwritten_midway(tmp_path):
+    data = memoryview(bytes(1000))
+    meta = {"format": "trainguard-ckpt/1", "rank": 0, "step": 5, "tree": {"T": 0}, "tensors": []}
+    with pytest.raises(disk.SnapshotChanged):
+        disk.write_checkpoint(tmp_path, meta, data, still_valid=lambda: False)
+    assert list(tmp_path.iterdir()) == []  # no temp file, no step dir
+
+
+def test_checkpoint_corrupt_newest_falls_back_with_warning_event(monitor):
+    mon, env, store, _ = monitor
+    w = worker(env)
+    for step in (1, 2):
+        assert w.save(state_at(step), step)
+        mon._persister.run_pass()
+    w.close()
+    ckpt_dir = Path(env["TRAINGUARD_CKPT_DIR"])
+    newest = disk.step_dir(ckpt_dir, 2) / disk.data_name(0)
+    raw = bytearray(newest.read_bytes())
+    raw[100] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    # The node was replaced: no in-memory snapshot, only the disk.
+    for p in Path(env["TRAINGUARD_CKPT_SHM_DIR"]).glob("rank-*"):
+        p.unlink()
+    w2 = worker(env)
+    got = w2.load_latest()
+    assert got["step"] == 1 and torch.equal(got["w"], torch.full((1000,), 1.0))
+    mon._persister.run_pass()  # relays the worker's report
+    (ev,) = kinds(store, "checkpoint_fallback")
+    assert ev.severity.label == "warning" and ev.evidence["loaded_step"] == 1
+    assert ev.evidence["corrupt"][0]["step"] == 2 and "CRC32" in ev.evidence["corrupt"][0]["error"]
+    w2.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no_manifest", "bad_manifest", "no_data"])
+def test_checkpoint_partial_newest_is_skipped(tmp_path, damage):
+    for step in (1, 2):
+        tree_tensors = {
+            "format": "trainguard-ckpt/1",
+            "rank": 0,
+            "world_size": 1,
+            "step": step,
+            "tree": {"D": [["w", {"T": 0}], ["step", step]]},
+            "tensors": [{"dtype": "int64", "shape": [4], "offset": 0, "nbytes": 32, "device": "cpu"}],
+        }
+        data = torch.full((4,), step, dtype=torch.int64)
+        disk.write_checkpoint(tmp_path, tree_tensors, memoryview(bytearray(data.view(torch.uint8).tolist())))
+    sdir = disk.step_dir(tmp_path, 2)
+    if damage == "truncate":
+        (sdir / disk.data_name(0)).write_bytes(b"\0" * 16)
+    elif damage == "no_manifest":
+        (sdir / disk.manifest_name(0)).unlink()
+    elif damage == "bad_manifest":
+        (sdir / disk.manifest_name(0)).write_bytes(b'{"format": "trainguard-ckpt/1", "tree"')
+    else:
+        (sdir / disk.data_name(0)).unlink()
+    shm = make_shm_dir(tmp_path)
+    w = Checkpointer(shm, tmp_path, 0, 1)
+    got = w.load_latest()
+    assert got["step"] == 1 and got["w"].tolist() == [1, 1, 1, 1]
+    w.close()
+
+
+def test_checkpoint_unwritable_dir_is_an_error_event_and_training_goes_on(tmp_path, shm_root):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    run_dir = tmp_path / "run"
+    mon = CheckpointMonitor(ckpt_dir=blocker / "ckpt", shm_root=shm_root)
+    env = mon.worker_env(run_dir)
+    store = EventStore(run_dir)
+    ctx = MonitorContext(
+        run_dir=run_dir,
+        node="n0",
+        node_rank=0,
+        nnodes=1,
+        nproc_per_node=1,
+        world_size=1,
+        restart_count=0,
+        workers=[],
+        events=EventBus(store, "n0"),
+        steps=StepTracker(),
+    )
+    mon.on_workers_started(ctx)
+    try:
+        w = worker(env)
+        assert w.save(state_at(1), 1)
+        mon._persister.run_pass()
+        (ev,) = kinds(store, "checkpoint_failed")
+        assert ev.severity.label == "error" and ev.evidence["step"] == 1
+        assert w.save(state_at(2), 2)  # snapshots keep working in memory
+        assert w.load_latest()["step"] == 2
+        w.close()
+    finally:
+        mon.close()
+        store.close()
+
+
+def test_checkpoint_full_disk_keeps_previous_checkpoint_valid(tmp_path, shm_root):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    run_dir = tmp_path / "run"
+    mon = CheckpointMonitor(ckpt_dir=mnt, keep=3, shm_root=shm_root)
+    store = EventStore(run_dir)
+    try:
+        env = mon.worker_env(run_dir)
+        ctx = MonitorContext(
+            run_dir=run_dir,
+            node="n0",
+            node_rank=0,
+            nnodes=1,
+            nproc_per_node=1,
+            world_size=1,
+            restart_count=0,
+            workers=[],
+            events=EventBus(store, "n0"),
+            steps=StepTracker(),
+        )
+        mon.on_workers_started(ctx)
+        w = worker(env)
+        assert w.save(state_at(1, 50_000), 1)  # 200 KB: fits
+        mon._persister.run_pass()
+        assert w.save(state_at(2, 500_000), 2)  # 2 MB: does not fit in 1 MB
+        mon._persister.run_pass()
+        (failed,) = kinds(store, "checkpoint_failed")
+        assert failed.severity.label == "error" and failed.evidence["step"] == 2
+        assert "No space left" in failed.evidence["error"]
+        # Nothing half-written is left, and step 1 still verifies.
+        assert disk.list_steps(mnt, 0) == [1]
+        assert sorted(p.name for p in mnt.rglob("*")) == [
+            "rank-00000.bin",
+            "rank-00000.json",
+            "step-0000000001",
+        ]
+        meta, _ = disk.read_checkpoint(mnt, 0, 1)
+        assert meta["step"] == 1
+        # Training went on and a later, smaller snapshot persists again.
+        assert w.save(state_at(3, 50_000), 3)
+        mon._persister.run_pass()
+        assert disk.list_steps(mnt, 0) == [3, 1]
+        w.close()
+    finally:
+        mon.close()
+        store.close()
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_checkpoint_monitor_close_removes_shared_memory(tmp_path, shm_root):
+    mon = CheckpointMonitor(shm_root=shm_root)
+    env = mon.worker_env(tmp_path / "run")
+    w = worker(env)
+    assert w.save(state_at(1), 1)
+    w.close()
+    assert Path(env["TRAINGUARD_CKPT_SHM_DIR"]).exists()
+    mon.close()  # persists the last snapshot, then unlinks the segments
+    assert list(shm_root.iterdir()) == []
+    assert disk.list_steps(Path(env["TRAINGUARD_CKPT_DIR"]), 0) == [1]
+
+
+def test_checkpoint_stale_shm_dirs_of_dead_agents_are_removed(shm_root):
+    # A directory whose owner process died (its flock is gone) is removed; a live one is kept.
+    code = ("import sys; from pathlib import Path; from trainguard.checkpoint.shm import make_shm_dir; "
+            "print(make_shm_dir(Path(sys.argv[1])))")
+    dead = Path(subprocess.run([sys.executable, "-c", code, str(shm_root)], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    assert dead.exists()
+    live = make_shm_dir(shm_root)  # removes the dead one on the way
+    assert live.exists() and not dead.exists()
+    assert remove_stale_dirs(shm_root) == []
+    release_shm_dir(live)
+    assert not live.exists()
