@@ -14,6 +14,9 @@ log = logging.getLogger("trainguard.events")
 
 Subscriber = Callable[[Event], None]
 
+# Recorded and exported like any event, but too frequent for the console.
+ROUTINE_KINDS = frozenset({"checkpoint_persisted"})
+
 
 class EventBus:
     def __init__(self, store: EventStore | None, node: str) -> None:
@@ -53,6 +56,8 @@ class EventBus:
             except Exception as exc:  # the store failing (disk full) must not stop the job
                 log.error("could not store event %s: %s", event.kind, exc)
         level = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING}.get(event.severity, logging.ERROR)
+        if event.kind in ROUTINE_KINDS and event.severity == Severity.INFO:
+            level = logging.DEBUG
         where = f" rank={event.rank}" if event.rank is not None else ""
         log.log(level, "[%s]%s %s", event.kind, where, event.message)
         with self._lock:
