@@ -187,7 +187,7 @@ def launch(args: argparse.Namespace) -> int:
                 "job_failed",
                 f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {config.max_restarts})"),
                 severity=Severity.CRITICAL,
-                rank=min(agent.final_failures) if agent.final_failures else None,
+                rank=next(iter(agent.final_failures), None),  # ordered by exit time: first failure first
                 evidence={
                     "reason": reason,
                     "failures": {str(r): f for r, f in agent.final_failures.items()},

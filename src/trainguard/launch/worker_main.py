@@ -87,7 +87,19 @@ def run(spec: dict) -> None:
     except BaseException as exc:
         # Same error file torch's @record writes, so the agent reports the real exception.
         handler.record_exception(exc)
-        raise
+        _print_user_traceback(exc)
+        sys.stderr.flush()
+        os._exit(1)  # what an uncaught exception exits with; skips a second traceback
+
+
+def _print_user_traceback(exc: BaseException) -> None:
+    """The traceback as the user's script would have printed it, without our launcher frames."""
+    import traceback
+
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
 def main() -> None:
