@@ -1,0 +1,127 @@
+"""Automatic instrumentation of a worker, run before the user's script (like ``ddtrace-run``).
+
+``install()`` is called by the worker entry of ``trainguard run``. Without the profiling
+environment (any other launcher) it returns at once. Otherwise it creates this rank's ring in
+shared memory and the recorder, and installs the torch hooks — right away when torch is already
+imported, else the moment the script imports it (a post-import hook; importing torch here would
+only move its cost). ``torch.distributed.checkpoint`` is wrapped the same way when imported.
+It never raises: a failure prints one line and training goes on unprofiled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+ENV_RING_PREFIX = "TRAINGUARD_RING_PREFIX"  # set by the agent's profiling monitor
+ENV_FLAGS = "TRAINGUARD_PROFILING_FLAGS"  # initial switch word (ring.FLAG_*)
+ENV_CAPACITY = "TRAINGUARD_RING_CAPACITY"
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    prefix = os.environ.get(ENV_RING_PREFIX)
+    if not prefix or _installed:
+        return
+    _installed = True
+    try:
+        _install(prefix)
+    except Exception as exc:
+        print(f"trainguard: profiling disabled: {exc}", file=sys.stderr, flush=True)
+
+
+def _install(prefix: str) -> None:
+    from trainguard.worker import ring, spans
+
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = os.environ.get("TRAINGUARD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    capacity = int(os.environ.get(ENV_CAPACITY, ring.DEFAULT_CAPACITY))
+    path = ring.ring_path(prefix, attempt, rank)
+    writer = ring.RingWriter(path, rank, capacity, flags=int(os.environ.get(ENV_FLAGS, "0")))
+    atexit.register(_unlink, path)  # normally the agent unlinked it already, once mapped
+    rec = spans.Recorder(writer)
+    spans.set_recorder(rec)
+    when_imported("torch", lambda _mod: _install_torch(rec))
+    when_imported("torch.distributed.checkpoint", lambda mod: _install_dcp(rec, mod))
+
+
+def _install_torch(rec: Any) -> None:
+    from trainguard.worker import hooks
+
+    errors = hooks.install(rec)
+    if errors:
+        print(f"trainguard: some profiling hooks unavailable: {'; '.join(errors)}", file=sys.stderr, flush=True)
+
+
+def _install_dcp(rec: Any, mod: ModuleType) -> None:
+    from trainguard.worker import hooks
+
+    try:
+        hooks.install_dcp(rec, mod)
+    except Exception as exc:
+        print(f"trainguard: checkpoint profiling unavailable: {exc}", file=sys.stderr, flush=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# ---- post-import hooks ---------------------------------------------------------------------------
+_waiting: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+
+def when_imported(name: str, fn: Callable[[ModuleType], None]) -> None:
+    """Call ``fn(module)`` now if ``name`` is imported, else right after it is."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        _call(fn, mod)
+        return
+    _waiting.setdefault(name, []).append(fn)
+    if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder())
+
+
+def _call(fn: Callable[[ModuleType], None], mod: ModuleType) -> None:
+    try:
+        fn(mod)
+    except Exception as exc:
+        print(f"trainguard: profiling hook failed: {exc}", file=sys.stderr, flush=True)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it wraps the real loader's exec_module."""
+
+    def __init__(self) -> None:
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _waiting or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_hook(module: ModuleType) -> None:
+            exec_module(module)
+            for fn in _waiting.pop(fullname, []):
+                _call(fn, module)
+
+        loader.exec_module = exec_and_hook  # type: ignore[method-assign]
+        return spec

@@ -1,0 +1,178 @@
+"""Per-rank shared-memory ring of fixed-size span records: the layout and the (single) writer.
+
+One worker process writes, its node's agent reads (``trainguard.probes.ring_reader``). The file
+lives in ``/dev/shm`` (tmpfs: memory, never disk); the agent unlinks it as soon as it has mapped it,
+so nothing is left behind even when everyone is killed.
+
+Layout (little endian)::
+
+    0     header (128 bytes, fields below)
+    128   step history: STEP_HISTORY x (end_unix_ns i64, duration_ns i64), slot = (step - 1) % STEP_HISTORY
+    4224  span names: MAX_NAMES x 32 bytes utf-8 (named spans: ``trainguard.span("name")``)
+    8320  records: capacity x RECORD (kind u8, aux u8, name_id u16, step u32, start_ns i64, end_ns i64,
+          seq u64)
+
+Record times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC); the header's ``clock_offset_ns``
+turns them into unix ns. A record carries its own sequence number (write index + 1), written last
+in the same store, so publishing a record is one ``pack_into`` and no header write. The reader
+takes slot ``i`` when its seq is ``i + 1``; a larger seq means the writer lapped it (the reader
+counts the lost records and skips ahead). A reader lapped *while* copying a slot could take a torn
+record; at 32768 slots and a drain every 0.2 s that needs >150k spans/s.
+
+The header's step fields are written on every step whatever the profiling switch says, so the
+hang detector always has step timing.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+MAGIC = 0x31524754  # "TGR1"
+VERSION = 1
+
+# Span kinds. The first five are the seed's (TaskD lightweight profiling) names.
+STEP, FP, DATALOADER, COMMUNICATION, SAVE_CHECKPOINT, USER = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {
+    STEP: "Step",
+    FP: "FP",
+    DATALOADER: "DataLoader",
+    COMMUNICATION: "Communication",
+    SAVE_CHECKPOINT: "SaveCheckpoint",
+    USER: "User",
+}
+
+# Switch bits in the header's flag word. Seed rule: Step, SaveCheckpoint, FP and DataLoader switch
+# on and off together (BASIC); Communication separately, and only while BASIC is on.
+FLAG_BASIC = 1
+FLAG_COMM = 2
+KIND_FLAG = {
+    STEP: FLAG_BASIC,
+    FP: FLAG_BASIC,
+    DATALOADER: FLAG_BASIC,
+    SAVE_CHECKPOINT: FLAG_BASIC,
+    USER: FLAG_BASIC,
+    COMMUNICATION: FLAG_COMM,
+}
+
+HEADER = struct.Struct("<IIIIIiII")  # magic, version, capacity, record_size, flags, rank, pid, names
+HEADER_SIZE = 128
+# 8-byte fields after the first 32 bytes, as indexes into a u64/i64 view of the header.
+# index 4 is reserved (records carry their own sequence numbers)
+IDX_STEPS = 5  # steps completed (u64)
+IDX_LAST_END = 6  # unix ns of the last step end
+IDX_LAST_DUR = 7  # ns
+IDX_CLOCK_OFFSET = 8  # time.time_ns() - time.perf_counter_ns()
+IDX_DROPPED = 9  # records the writer had to drop (pending queue full)
+# 32-bit field indexes into a u32 view.
+IDX_FLAGS32 = 4
+IDX_NAMES32 = 7
+
+STEP_HISTORY = 256
+STEP_OFF = HEADER_SIZE
+NAME_SIZE = 32
+MAX_NAMES = 128
+NAMES_OFF = STEP_OFF + STEP_HISTORY * 16
+RECORDS_OFF = NAMES_OFF + MAX_NAMES * NAME_SIZE
+RECORD = struct.Struct("<BBHIqqQ")
+DEFAULT_CAPACITY = 1 << 15  # 32768 records x 32 B = 1 MiB per rank
+
+
+def ring_size(capacity: int) -> int:
+    return RECORDS_OFF + capacity * RECORD.size
+
+
+def ring_path(prefix: str, attempt: int | str, rank: int | str) -> str:
+    """The one naming rule shared by the worker (creates) and the agent (opens)."""
+    return f"{prefix}-a{attempt}-r{rank}"
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: int
+    aux: int  # 1: device-timed (CUDA events)
+    name_id: int
+    step: int
+    start_ns: int  # unix ns (converted by the reader)
+    end_ns: int
+
+
+class RingWriter:
+    """Creates the ring file and writes to it. Only the creating process writes (one writer)."""
+
+    def __init__(self, path: str, rank: int, capacity: int = DEFAULT_CAPACITY, flags: int = 0) -> None:
+        if capacity <= 0 or capacity & (capacity - 1):
+            raise ValueError(f"ring capacity must be a power of two, got {capacity}")
+        self.path = path
+        self.capacity = capacity
+        self.mask = capacity - 1
+        size = ring_size(capacity)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.u64 = memoryview(self.mm)[:HEADER_SIZE].cast("Q")
+        self.i64 = memoryview(self.mm)[:HEADER_SIZE].cast("q")
+        self.u32 = memoryview(self.mm)[:HEADER_SIZE].cast("I")
+        self.steps_view = memoryview(self.mm)[STEP_OFF:NAMES_OFF].cast("q")
+        self.i64[IDX_CLOCK_OFFSET] = time.time_ns() - time.perf_counter_ns()
+        # Magic last: a reader never sees a half-initialised header as valid.
+        HEADER.pack_into(self.mm, 0, 0, VERSION, capacity, RECORD.size, flags, rank, os.getpid(), 0)
+        self.u32[0] = MAGIC
+        self.write_index = 0
+        self.names: dict[str, int] = {}
+
+    @property
+    def flags(self) -> int:
+        return self.u32[IDX_FLAGS32]
+
+    @property
+    def clock_offset_ns(self) -> int:
+        return self.i64[IDX_CLOCK_OFFSET]
+
+    def write(self, kind: int, name_id: int, step: int, start_ns: int, end_ns: int, aux: int = 0) -> None:
+        i = self.write_index
+        self.write_index = i + 1
+        RECORD.pack_into(self.mm, RECORDS_OFF + (i & self.mask) * 32, kind, aux, name_id, step, start_ns, end_ns, i + 1)
+
+    def write_step(self, step: int, end_ns: int, duration_ns: int) -> None:
+        """Step count and timing, always (the hang detector reads these with profiling off)."""
+        end_unix = end_ns + self.i64[IDX_CLOCK_OFFSET]
+        slot = ((step - 1) % STEP_HISTORY) * 2
+        self.steps_view[slot] = end_unix
+        self.steps_view[slot + 1] = duration_ns
+        self.i64[IDX_LAST_END] = end_unix
+        self.i64[IDX_LAST_DUR] = duration_ns
+        self.u64[IDX_STEPS] = step  # published last
+
+    def add_dropped(self, n: int) -> None:
+        self.u64[IDX_DROPPED] += n
+
+    def name_id(self, name: str) -> int:
+        """Id of a named span (0 when the table is full: recorded as unnamed)."""
+        nid = self.names.get(name)
+        if nid is not None:
+            return nid
+        if len(self.names) >= MAX_NAMES - 1:
+            return 0
+        nid = len(self.names) + 1
+        raw = name.encode("utf-8", "replace")[: NAME_SIZE - 1]
+        off = NAMES_OFF + (nid - 1) * NAME_SIZE
+        self.mm[off : off + NAME_SIZE] = raw.ljust(NAME_SIZE, b"\0")
+        self.names[name] = nid
+        self.u32[IDX_NAMES32] = nid
+        return nid
+
+    def close(self) -> None:
+        for view in (self.u64, self.i64, self.u32, self.steps_view):
+            view.release()
+        self.mm.close()
