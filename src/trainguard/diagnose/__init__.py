@@ -30,6 +30,19 @@ def _scanner(extra_rules: list[Path] | None, engine: str = "auto"):
     return _cache[key]
 
 
+def _agent_order_first(failure_info: dict[int, dict[str, Any]]) -> None:
+    """The agent saw which rank exited first (``first_failure``); every other rank failed after it,
+    whatever its error file's clock says (ranks that lost that peer write theirs within ms)."""
+    first = next((r for r, i in failure_info.items() if i.get("first_failure")), None)
+    t0 = failure_info[first].get("timestamp") if first is not None else None
+    if not isinstance(t0, int | float):
+        return
+    for rank, info in failure_info.items():
+        ts = info.get("timestamp")
+        if rank != first and (not isinstance(ts, int | float) or ts <= t0):
+            info["timestamp"] = t0 + 1e-3
+
+
 def diagnose_paths(
     paths: list[str | Path],
     extra_rules: list[Path] | None = None,
@@ -53,6 +66,7 @@ def diagnose_paths(
     failure_info = read_error_files(error_files([Path(p) for p in paths if Path(p).exists()]))
     for rank, info in (failures or {}).items():
         failure_info[int(rank)] = {**failure_info.get(int(rank), {}), **info}
+    _agent_order_first(failure_info)
     extra = failure_hits(failure_info, rules)
     result, first = analyze(
         scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold

@@ -102,9 +102,11 @@ def incidents(hits: Sequence[Hit]) -> list[Incident]:
 
 
 def _order(inc: Incident) -> tuple:
+    # The agent's exit times (failure_time) order failures exactly; log times come next. A rank
+    # the agent saw fail first beats a rank that only logged losing it a moment later.
     start, ft = inc.start, inc.failure_time
     rank = inc.key[1] if inc.key[0] == "rank" else 1 << 30
-    return (start is None, start or 0.0, ft is None, ft or 0.0, -inc.best.rule.priority, rank)
+    return (ft is None, ft or 0.0, start is None, start or 0.0, -inc.best.rule.priority, rank)
 
 
 def _confidence(h: Hit) -> str:

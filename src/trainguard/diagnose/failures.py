@@ -87,5 +87,9 @@ def read_error_files(paths: list[Path]) -> dict[int, dict[str, Any]]:
                 ts = float(extra.get("timestamp"))
             except (TypeError, ValueError):
                 ts = None
+        try:  # the file's mtime is when the exception was recorded, to the microsecond
+            ts = p.stat().st_mtime
+        except OSError:
+            pass
         out[int(m[1])] = {"error_file_data": data, "exitcode": 1, "timestamp": ts, "error_file": str(p)}
     return out

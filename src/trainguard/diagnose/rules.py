@@ -34,6 +34,7 @@ CATEGORIES = (
     "nccl_timeout", "nccl_network", "cuda_oom", "gpu_hardware", "cuda_error_other", "rendezvous_failure",
     "dataloader", "host_oom", "disk_full_or_io", "python_exception", "nan_loss", "segfault",
     "hang_no_error", "slowdown", "healthy",
+    "exit_nonzero",  # exited with an error code and logged no error: cause unknown, worth a retry
 )  # fmt: skip
 _REGEX_META = set(".^$*+?{}[]\\|()")
 

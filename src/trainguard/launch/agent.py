@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -32,6 +33,13 @@ from trainguard.launch.pool import WorkerPool
 from trainguard.policy import Action, Decision
 
 log = logging.getLogger(__name__)
+
+# What a rank prints when it fails only because a peer died first (gloo, NCCL, c10d store).
+PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
+    r"|communicator was aborted|NCCL communicator.*abort|Socket Timeout|failed to recv, got 0 bytes",
+    re.IGNORECASE,
+)
 
 WORKER_STORE_KEY = "trainguard/worker_store"
 LEAVING_KEY = "trainguard/leaving"
@@ -126,7 +134,7 @@ class TrainguardAgent(LocalElasticAgent):
             if decision.action == Action.RERENDEZVOUS:
                 continue
             if decision.action == Action.EXCLUDE_NODE:
-                raise NodeExcluded(decision)
+                self._leave(decision)
             if decision.action == Action.STOP_JOB:
                 raise JobStopped(decision)
         worker_ids = self._start_workers(worker_group)
@@ -274,7 +282,7 @@ class TrainguardAgent(LocalElasticAgent):
                 continue
             self._record_decision(decision)
             if decision.action == Action.EXCLUDE_NODE:
-                raise NodeExcluded(decision)
+                self._leave(decision)
             if decision.action == Action.STOP_JOB:
                 self._stop_everywhere(decision)
             self.restart_reason = decision.reason
@@ -314,6 +322,12 @@ class TrainguardAgent(LocalElasticAgent):
             except Exception as exc:
                 log.warning("could not tell the other agents to stop: %s", exc)
 
+    def _leave(self, decision: Decision) -> None:
+        # Tell the others first: their workers fail as soon as ours are stopped, and that
+        # failure must read as a membership change, not spend their restart budget.
+        self.announce_leaving()
+        raise NodeExcluded(decision)
+
     def announce_leaving(self) -> None:
         """Tell the other agents this node leaves, so they re-form without using a restart."""
         store = self._worker_group.store
@@ -348,12 +362,20 @@ class TrainguardAgent(LocalElasticAgent):
             }
         return infos
 
+    @staticmethod
+    def _cascade(info: dict[str, Any]) -> bool:
+        """A failure that only reports losing a peer (which failed before it)."""
+        text = "\n".join([str(info.get("message") or ""), *info.get("log_tail", [])[-15:]])
+        return bool(PEER_LOSS.search(text))
+
     def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
         everything = self._failure_info(wg, result)
         failures = {r: i for r, i in everything.items() if not i["collateral"]} or everything
-        stopped = sorted(set(everything) - set(failures))
         order = sorted(failures, key=lambda r: failures[r]["exit_time"] or failures[r]["timestamp"])
+        # After the first failure, ranks that died of losing their peer are its consequence.
+        order = order[:1] + [r for r in order[1:] if not self._cascade(failures[r])]
         failures = {r: {**failures[r], "first_failure": i == 0} for i, r in enumerate(order)}  # first one first
+        stopped = sorted(set(everything) - set(failures))
         for rank, info in failures.items():
             how = f"signal {info['signal']}" if info["signal"] else f"exit code {info['exitcode']}"
             self.bus.emit(
@@ -375,7 +397,7 @@ class TrainguardAgent(LocalElasticAgent):
         decision = self._decide(failures, extra)
         self._record_decision(decision)
         if decision.action == Action.EXCLUDE_NODE:
-            raise NodeExcluded(decision)
+            self._leave(decision)
         if decision.action == Action.STOP_JOB:
             self._stop_everywhere(decision)
         self.restart_reason = decision.reason

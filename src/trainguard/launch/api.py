@@ -17,13 +17,14 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.elastic.utils import macros
 from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_use_env, parse_min_max_nnodes
 
 from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
-from trainguard.launch import plugins
+from trainguard.launch import keeper, plugins
 from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
@@ -103,6 +104,22 @@ def _install_signal_handlers() -> None:
     # unwinds through our cleanup, instead of killing the agent and orphaning its workers.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, _terminate_process_handler)
+
+
+def _keep_rendezvous_store(agent: TrainguardAgent, params: RendezvousParameters, bus: EventBus) -> None:
+    """An excluded node that hosts the c10d store keeps serving it for the nodes that go on."""
+    if params.backend != "c10d" or not params.endpoint:
+        return
+    _, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    if not keeper.listening_port(port):
+        return
+    handler = agent._worker_group.spec.rdzv_handler
+    log.info("this node hosts the rendezvous store (port %d): keeping it up for the other nodes", port)
+    try:
+        why = keeper.keep_store(handler.is_closed, port)
+    except SignalException:
+        return
+    bus.emit("store_keeper_done", f"stopped serving the rendezvous store: {why}", evidence={"port": port})
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -196,12 +213,12 @@ def launch(args: argparse.Namespace) -> int:
             )
     except NodeExcluded as exc:
         shutdown_rdzv = False  # closing the rendezvous would end it for the nodes that go on
-        if agent is not None:
-            agent.announce_leaving()
         d = exc.decision
         bus.emit("node_excluded", d.exit_message or d.reason, severity=Severity.ERROR, rank=d.rank, evidence={"reason": d.reason, "source": d.source, **d.evidence})
         print(d.exit_message or d.reason, flush=True)
         code = EXIT_EXCLUDED
+        if agent is not None:
+            _keep_rendezvous_store(agent, rdzv_parameters, bus)
     except JobStopped as exc:
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:

@@ -46,8 +46,14 @@ def create(options: argparse.Namespace) -> Monitor | None:
 
 
 def _jsonable_failures(failures: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    keep = ("local_rank", "pid", "exitcode", "signal", "error_file_data", "message", "timestamp")
-    return {int(r): {k: v for k, v in (i or {}).items() if k in keep} for r, i in failures.items()}
+    keep = ("local_rank", "pid", "exitcode", "signal", "error_file_data", "message", "timestamp", "first_failure")
+    out = {}
+    for r, i in failures.items():
+        row = {k: v for k, v in (i or {}).items() if k in keep}
+        if (i or {}).get("exit_time"):  # the agent's exact exit time orders failures best
+            row["timestamp"] = i["exit_time"]
+        out[int(r)] = row
+    return out
 
 
 class DiagnosisMonitor(Monitor):

@@ -268,13 +268,15 @@ class _Watch:
         store = _client(ctx.store)
         try:
             publish_views(store, ctx.restart_count, ctx.node_rank, views)
-            if verdict.rank is not None:
-                return verdict
+            # Wait for the other nodes' stacks even when the culprit is here: they see the same hang
+            # within seconds, and declaring before them would restart the job under their feet.
             remote = gather_views(store, ctx.restart_count, ctx.node_rank, ctx.nnodes, max(5.0, 3 * self.cfg.period))
         except Exception as exc:  # the store going away must not stop the restart
             log.warning("hang: could not share stacks with the other nodes: %s", exc)
             return verdict
-        if not remote:
+        if remote:
+            self.remote_views = remote
+        if verdict.rank is not None or not remote:
             return verdict
         merged = find_culprit({**remote, **views}, nnodes=1)
         if merged.rank is None:

@@ -4,6 +4,7 @@ through trainguard's per-rank log pumps."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -133,7 +134,21 @@ class TrainguardPContext(SubprocessContext):
             failed = {r for r, h in self.subprocess_handlers.items() if (h.proc.poll() or 0) != 0}
             if failed:
                 self.primary_failures = failed
+        for _ in range(3):
+            try:
+                return super()._poll()
+            except ValueError:  # JSONDecodeError: torch read an error file cut short by its worker's death
+                self._set_aside_broken_error_files()
         return super()._poll()
+
+    def _set_aside_broken_error_files(self) -> None:
+        for path in map(Path, self.error_files.values()):
+            try:
+                json.loads(path.read_text())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError):
+                path.replace(path.with_suffix(".broken"))
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         super()._close(death_sig, timeout)

@@ -1,0 +1,34 @@
+"""A node excluded while it hosts the c10d rendezvous store: the others must go on."""
+
+from __future__ import annotations
+
+import pytest
+from tgtest import EXAMPLE, events, free_port, wait_log
+
+pytestmark = pytest.mark.slow
+
+
+def test_excluded_store_host_keeps_store_until_the_job_ends(jobs, tmp_path):
+    run = tmp_path / "run"
+    port = free_port()
+    common = [
+        "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", "keeper", "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "0", "--run-dir", run,
+        "--exclude-straggler", "--precheck", "off", "--quiet",
+    ]
+    script = [EXAMPLE, "--steps", "150", "--step-time-ms", "50", "--slow-rank", "1", "--slow-factor", "3"]
+    host = jobs("run", *common, "--node-name", "node0", *script, name="node0")
+    # node0 binds the endpoint first, so it hosts the rendezvous store — and holds the slow rank 1
+    wait_log(run / "agent-node0.log", "hosts the TCP store")
+    other = jobs("run", *common, "--node-name", "node1", *script, name="node1")
+    assert other.wait() == 0, other.output()
+    assert host.wait() == 4, host.output()
+    assert "The node is a straggler and exits." in host.output()
+    [excluded] = events(run, "node_excluded")
+    assert excluded.node == "node0"
+    assert [e.node for e in events(run, "job_succeeded")] == ["node1"]
+    assert [e.node for e in events(run, "store_keeper_done")] == ["node0"]
+    assert not events(run, "job_failed")
+    # node1 went on alone: its last attempt had world size 2 (its own two workers)
+    last = [e for e in events(run, "job_started") if e.node == "node1"][-1]
+    assert last.evidence["group_world_size"] == 1
