@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
-from tgtest import EXAMPLE, events, free_port, wait_log
+from tgtest import EXAMPLE, events, free_port, wait_for
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +26,7 @@ def test_excluded_store_host_keeps_store_until_the_job_ends(jobs, tmp_path):
     script = [EXAMPLE, "--steps", "150", "--step-time-ms", "50", "--slow-rank", "1", "--slow-factor", "3"]
     host = jobs("run", *common, "--node-name", "node0", *script, name="node0")
     # node0 binds the endpoint first, so it hosts the rendezvous store — and holds the slow rank 1
-    wait_log(run / "agent-node0.log", "hosts the TCP store")
+    wait_for(lambda: port_open(port), what="node0 hosting the rendezvous store")
     other = jobs("run", *common, "--node-name", "node1", *script, name="node1")
     assert other.wait() == 0, other.output()
     assert host.wait() == 4, host.output()

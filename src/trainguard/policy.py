@@ -338,3 +338,18 @@ def decide_on_hardware_fault(faults: list[str], evidence: dict[str, Any] | None 
         evidence={"faults": faults, **(evidence or {})},
         exit_message=NODE_DOWN_MESSAGE,
     )
+
+
+def confirm_exclusion(decision: Decision, nnodes_now: int, min_nodes: int) -> Decision:
+    """A detector asks to exclude this node while the job runs (a straggler, a hardware fault).
+
+    Leaving is only worth it when the job can go on without this node: with fewer than ``--nnodes``
+    MIN nodes left it would end the job. A straggler then stays (slow beats stopped) and is only
+    reported; a hardware fault stops the job with the reason."""
+    if decision.action != Action.EXCLUDE_NODE or nnodes_now - 1 >= min_nodes:
+        return decision
+    left = f"excluding this node would leave {nnodes_now - 1} node(s), below the minimum {min_nodes}"
+    evidence = {**decision.evidence, "wanted": decision.action.value, "nnodes": nnodes_now, "min_nodes": min_nodes}
+    if decision.exit_message == STRAGGLER_EXIT_MESSAGE:
+        return Decision(Action.CONTINUE, f"{decision.reason}; kept: {left}", decision.source, decision.rank, evidence)
+    return Decision(Action.STOP_JOB, f"{decision.reason}; {left}", decision.source, decision.rank, evidence)

@@ -280,7 +280,12 @@ class TrainguardAgent(LocalElasticAgent):
             decision = self._call(m, "poll", self.ctx)
             if decision is None or decision.action == Action.CONTINUE:
                 continue
+            if decision.action == Action.EXCLUDE_NODE:
+                min_nodes = policy.min_nodes_of(getattr(self.options, "nnodes", None), wg.group_world_size or 1)
+                decision = policy.confirm_exclusion(decision, wg.group_world_size or 1, min_nodes)
             self._record_decision(decision)
+            if decision.action == Action.CONTINUE:
+                continue
             if decision.action == Action.EXCLUDE_NODE:
                 self._leave(decision)
             if decision.action == Action.STOP_JOB:
@@ -326,7 +331,26 @@ class TrainguardAgent(LocalElasticAgent):
         # Tell the others first: their workers fail as soon as ours are stopped, and that
         # failure must read as a membership change, not spend their restart budget.
         self.announce_leaving()
+        self._leave_rendezvous()
         raise NodeExcluded(decision)
+
+    def _leave_rendezvous(self) -> None:
+        """Leave the c10d rendezvous without closing it for the others: stop this node's heartbeat
+        and drop it from the participants (what ``next_rendezvous`` does first), so the next round
+        forms without waiting for it. torch has no public "leave" call; without these internals the
+        others only drop this node once its heartbeat times out."""
+        handler = self._worker_group.spec.rdzv_handler
+        stop = getattr(handler, "_stop_heartbeats", None)
+        run = getattr(getattr(handler, "_op_executor", None), "run", None)
+        if stop is None or run is None:
+            return
+        try:
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+            stop()
+            run(_RendezvousExitOp(), time.monotonic() + 30)
+        except Exception as exc:
+            log.warning("could not leave the rendezvous cleanly: %s", exc)
 
     def announce_leaving(self) -> None:
         """Tell the other agents this node leaves, so they re-form without using a restart."""
