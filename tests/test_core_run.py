@@ -128,8 +128,12 @@ def test_two_agents_recover_from_worker_kill(jobs, tmp_path):
         assert a.wait() == 0, a.output()
     failed = events(run, "worker_failed")
     assert [(e.rank, e.node) for e in failed] == [(3, "node1")]
+    # node0's ranks, if they died of losing rank 3 before their agent restarted them, say so
+    assert {e.node for e in events(run, "worker_lost_peer")} <= {"node0"}
     assert {e.node for e in events(run, "job_succeeded")} == {"node0", "node1"}
-    assert "resume step=5" in rank_log(run, 1, 0).read_text()
+    resumed = int(wait_log(rank_log(run, 1, 0), "resume step=").rsplit("=", 1)[1])
+    saved = [int(ln.rsplit("=", 1)[1]) for ln in rank_log(run, 0, 0).read_text().splitlines() if "saved step=" in ln]
+    assert saved and resumed == max(saved)  # the last checkpoint written before the kill
 
 
 def test_sigterm_to_launcher_leaves_nothing_behind(jobs, tmp_path):

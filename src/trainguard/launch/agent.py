@@ -400,13 +400,17 @@ class TrainguardAgent(LocalElasticAgent):
         order = order[:1] + [r for r in order[1:] if not self._cascade(failures[r])]
         failures = {r: {**failures[r], "first_failure": i == 0} for i, r in enumerate(order)}  # first one first
         stopped = sorted(set(everything) - set(failures))
+        # Even our first failure only lost its peer: the real failure is on another node.
+        remote = bool(order) and self._cascade(failures[order[0]])
         for rank, info in failures.items():
             how = f"signal {info['signal']}" if info["signal"] else f"exit code {info['exitcode']}"
+            tail = f"; stopped ranks {stopped}" if stopped else ""
             self.bus.emit(
-                "worker_failed",
-                f"rank {rank} (pid {info['pid']}) failed with {how}"
-                + (f"; stopped ranks {stopped}" if stopped else ""),
-                severity=Severity.ERROR,
+                "worker_lost_peer" if remote else "worker_failed",
+                f"rank {rank} (pid {info['pid']}) exited with {how} after losing a peer on another node{tail}"
+                if remote
+                else f"rank {rank} (pid {info['pid']}) failed with {how}{tail}",
+                severity=Severity.WARNING if remote else Severity.ERROR,
                 rank=rank,
                 evidence={**info, "attempt": self.attempt, "stopped_ranks": stopped},
             )
