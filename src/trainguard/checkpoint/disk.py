@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from trainguard.checkpoint.format import decode_manifest, parse_entries
@@ -213,22 +214,12 @@ def clean_temp_files(ckpt_dir: Path) -> int:
     for d in dirs:
         for p in d.glob(f"*{mark}*"):
             pid = p.name.rpartition("-")[2]
-            if pid.isdigit() and _alive(int(pid)):
+            if pid.isdigit() and psutil.pid_exists(int(pid)):
                 continue  # another agent on this host is writing it right now
             p.unlink(missing_ok=True)
             n += 1
         _remove_if_empty(d)
     return n
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_if_empty(d: Path) -> None:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 MAGIC = b"TGCKSLT1"
 VERSION = 1
 HEADER_SIZE = 4096
@@ -231,7 +233,7 @@ def _orphaned(path: Path) -> bool:
     except FileNotFoundError:
         # Not made by make_shm_dir (or still being made): fall back to the PID in the name.
         pid = path.name[len(DIR_PREFIX) :].partition("-")[0]
-        return pid.isdigit() and not _alive(int(pid))
+        return pid.isdigit() and not psutil.pid_exists(int(pid))
     except OSError:
         return False
     try:
@@ -240,14 +242,4 @@ def _orphaned(path: Path) -> bool:
         return False  # its owner holds the lock: alive
     finally:
         os.close(fd)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

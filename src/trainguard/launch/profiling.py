@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from trainguard.detect import straggler as S
 from trainguard.launch.monitor import Monitor, MonitorContext, StepSample
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action, Decision
@@ -397,7 +399,7 @@ def sweep_rings(prefix: str | None = None) -> list[str]:
         if prefix is not None:
             if not path.startswith(prefix + "-"):
                 continue
-        elif _alive(int(m.group(1))):
+        elif psutil.pid_exists(int(m.group(1))):
             continue
         try:
             os.unlink(path)
@@ -405,16 +407,6 @@ def sweep_rings(prefix: str | None = None) -> list[str]:
         except OSError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _line(rank: int, rec: R.Record, reader: RingReader) -> str:
