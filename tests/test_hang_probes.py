@@ -110,7 +110,7 @@ waiting_here()
 def test_hang_stacks_running_and_stopped_process() -> None:
     with python(SLEEPER) as p:
         d = stacks.dump_stack(0, p.pid, timeout=30)
-        assert d.error is None and not d.nonblocking
+        assert d.error is None and d.nonblocking  # read without pausing the worker
         main = d.main_thread()
         assert main is not None and main.frames[0].name == "waiting_here"
         os.kill(p.pid, signal.SIGSTOP)

@@ -1,10 +1,11 @@
 """Python stacks of running workers through py-spy (`py-spy dump --json`), without touching them.
 
-py-spy pauses a process for a few milliseconds with ptrace to read a consistent stack. That fails
-on a process that is already stopped (SIGSTOP): ptrace cannot take it over. For such a process
-(state 'T' in /proc/<pid>/stat) we use ``--nonblocking``, which reads memory without pausing — the
-stack cannot change while the process is stopped anyway. Every call has a timeout and runs as a
-subprocess, so a wedged py-spy cannot wedge the caller.
+By default py-spy pauses a process for a few milliseconds with ptrace to read a consistent stack;
+that fails on a process that is already stopped (SIGSTOP) and touches a worker that may be healthy.
+We read with ``--nonblocking`` first (memory reads only, the worker is never paused: a hung
+worker's stack does not change anyway) and fall back to a pausing read only when a busy worker's
+stack came out torn. Every call has a timeout and runs as a subprocess, so a wedged py-spy cannot
+wedge the caller.
 """
 
 from __future__ import annotations
@@ -126,17 +127,18 @@ def dump_stack(rank: int, pid: int, timeout: float = 10.0, exe: str | None = Non
     if exe is None:
         dump.error = "py-spy is not installed"
         return dump
-    stopped = state in ("T", "t")
-    threads, error = _run_pyspy(exe, pid, nonblocking=stopped, timeout=timeout)
-    dump.nonblocking = stopped
-    if threads is None and not stopped:
-        # The process may have been stopped (or be mid-exec) at the wrong moment: a
-        # non-blocking read still gives a usable, if possibly torn, stack.
-        retry, error2 = _run_pyspy(exe, pid, nonblocking=True, timeout=timeout)
+    # Non-blocking first: it only reads the worker's memory and never pauses it, so a dump cannot
+    # disturb a job that turns out to be healthy (or one in the middle of exiting). A hung worker's
+    # stack does not move, so the read is consistent where it matters.
+    threads, error = _run_pyspy(exe, pid, nonblocking=True, timeout=timeout)
+    dump.nonblocking = True
+    if threads is None and state not in ("T", "t"):
+        # A torn read of a busy worker: pause it for the few milliseconds of a consistent read.
+        retry, error2 = _run_pyspy(exe, pid, nonblocking=False, timeout=timeout)
         if retry is not None:
-            threads, error, dump.nonblocking = retry, None, True
+            threads, error, dump.nonblocking = retry, None, False
         else:
-            error = f"{error}; non-blocking: {error2}"
+            error = f"{error}; blocking: {error2}"
         dump.state = read_state(pid) or state
     dump.threads = threads or []
     dump.error = error
