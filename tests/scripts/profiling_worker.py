@@ -69,3 +69,9 @@ print(json.dumps({
 }))
 sys.stdout.flush()
 dist.destroy_process_group()
+# Leave without interpreter teardown: under heavy load torch's gloo teardown at exit has
+# aborted a finished worker here ("terminate called without an active exception"); these
+# tests check trainguard, not torch's exit path.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
