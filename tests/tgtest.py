@@ -54,6 +54,13 @@ class Job:
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
+        # SIGTERM first, as a user would: the agent stops its workers and removes its shared memory.
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         kill_tree(self.proc.pid)
         try:
             self.proc.wait(timeout=30)
