@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from tgtest import wait_for
 
 from trainguard.launch import hang as hang_monitor
 from trainguard.probes import proc, stacks
@@ -39,13 +39,6 @@ def python(code: str) -> Iterator[subprocess.Popen]:
         p.wait(timeout=30)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 # The child writes a line to a file each time the parent sends one on stdin, in a grandchild, so
 # the I/O only shows when children are counted.
 WRITER = """
@@ -65,12 +58,12 @@ for line in sys.stdin:
 def test_hang_proc_sample_counts_children_io() -> None:
     with python(WRITER) as p:
         assert p.stdin is not None
-        wait_for(lambda: proc.sample(0, p.pid, 0.0).children == 1)
+        wait_for(lambda: proc.sample(0, p.pid, 0.0).children == 1, 30)
         before = proc.sample(0, p.pid, 1.0)
         own_before = proc.read_io(p.pid)
         p.stdin.write(b"x\n")
         p.stdin.flush()
-        wait_for(lambda: proc.sample(0, p.pid, 2.0).io[1] >= before.io[1] + 2000)  # wchar of the grandchild
+        wait_for(lambda: proc.sample(0, p.pid, 2.0).io[1] >= before.io[1] + 2000, 30)  # wchar of the grandchild
         assert before.alive and before.state in ("S", "R") and before.io is not None
         # the parent only passed the 2-byte line on: the 2000 bytes were written by its child
         assert proc.read_io(p.pid)[1] - own_before[1] < 100
@@ -85,9 +78,9 @@ def test_hang_proc_cpu_state_and_gone() -> None:
     """
     with python(code) as p:
         first = proc.sample(3, p.pid, 0.0)
-        wait_for(lambda: proc.sample(3, p.pid, 1.0).cpu > first.cpu + 0.2)
+        wait_for(lambda: proc.sample(3, p.pid, 1.0).cpu > first.cpu + 0.2, 30)
         os.kill(p.pid, signal.SIGSTOP)
-        wait_for(lambda: proc.read_state(p.pid) == "T")
+        wait_for(lambda: proc.read_state(p.pid) == "T", 30)
         assert proc.sample(3, p.pid, 2.0).state == "T"
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
@@ -114,7 +107,7 @@ def test_hang_stacks_running_and_stopped_process() -> None:
         main = d.main_thread()
         assert main is not None and main.frames[0].name == "waiting_here"
         os.kill(p.pid, signal.SIGSTOP)
-        wait_for(lambda: proc.read_state(p.pid) == "T")
+        wait_for(lambda: proc.read_state(p.pid) == "T", 30)
         d = stacks.dump_stack(0, p.pid, timeout=30)
         # ptrace cannot take over a stopped process: read without pausing instead
         assert d.error is None and d.nonblocking and d.state == "T"
