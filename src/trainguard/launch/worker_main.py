@@ -16,6 +16,8 @@ import runpy
 import signal
 import sys
 
+from trainguard import torch_compat
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -28,17 +30,6 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except OSError:
         pass
-
-
-def _preimport() -> None:
-    # The expensive part of a worker start, done before the worker is needed.
-    # torch._dynamo is imported lazily by DDP's constructor and alone costs ~1.8 s here.
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-    import torch.optim  # noqa: F401
-    import torch.utils.data  # noqa: F401
 
 
 def _apply_env(env: dict[str, str]) -> None:
@@ -105,7 +96,7 @@ def _print_user_traceback(exc: BaseException) -> None:
 def main() -> None:
     _die_with_parent()
     if sys.argv[1:2] == ["--prestart"]:
-        _preimport()
+        torch_compat.preimport()  # the expensive part of a worker start, before it is needed
         line = sys.stdin.readline()
         if not line:
             return  # the agent went away before using us

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
+from trainguard import torch_compat
 from trainguard.worker import ring as R
 from trainguard.worker.spans import Recorder
 
@@ -193,9 +194,7 @@ def _install_forward(rec: Recorder) -> None:
 
 # ---- DataLoader --------------------------------------------------------------------------------
 def _install_dataloader(rec: Recorder) -> None:
-    from torch.utils.data import dataloader
-
-    base = dataloader._BaseDataLoaderIter
+    base = torch_compat.dataloader_iterator_base()
     orig = base.__next__
     if getattr(orig, "_trainguard", False):
         return
@@ -305,23 +304,19 @@ def _install_ddp(rec: Recorder) -> None:
         return
     orig_init = DDP.__init__
     orig_register = DDP.register_comm_hook
-    builtin_name = "_register_builtin_comm_hook"  # private in torch 2.x; public in some versions
-    if not hasattr(DDP, builtin_name):
-        builtin_name = "register_builtin_comm_hook"
-    orig_builtin = getattr(DDP, builtin_name, None)
+    builtin_name = torch_compat.ddp_builtin_comm_hook_name(DDP)
+    orig_builtin = getattr(DDP, builtin_name) if builtin_name else None
 
     @functools.wraps(orig_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
-        if getattr(self, "_use_python_reducer", False) or getattr(self, "_comm_hooks", None):
+        if torch_compat.ddp_has_own_comm_path(self):
             return  # compiled-autograd reducer or a hook DDP registered itself (mixed precision)
         state = _CommHookState(rec, default_hooks.allreduce_hook, self.process_group)
         try:
             orig_register(self, state, _trainguard_comm_hook)
         except Exception:
-            hooks = getattr(self, "_comm_hooks", None)
-            if hooks and hooks[-1][1] is state:
-                hooks.pop()
+            torch_compat.ddp_forget_comm_hook(self, state)
             return
         self._trainguard_comm = state
 
@@ -330,12 +325,9 @@ def _install_ddp(rec: Recorder) -> None:
         ours = getattr(self, "_trainguard_comm", None)
         if ours is None:
             return orig_register(self, state, hook)
-        self._check_comm_hook(hook)
+        torch_compat.ddp_check_comm_hook(self, hook)
         ours.inner, ours.inner_state = hook, state
-        try:
-            self.logger._set_comm_hook_name(hook.__qualname__)
-        except Exception:
-            pass
+        torch_compat.ddp_log_comm_hook_name(self, hook.__qualname__)
 
     def register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
         ours = getattr(self, "_trainguard_comm", None)
@@ -350,7 +342,7 @@ def _install_ddp(rec: Recorder) -> None:
     __init__._trainguard = True  # type: ignore[attr-defined]
     DDP.__init__ = __init__
     DDP.register_comm_hook = register_comm_hook
-    if orig_builtin is not None:
+    if builtin_name and orig_builtin is not None:
         setattr(DDP, builtin_name, functools.wraps(orig_builtin)(register_builtin_comm_hook))
 
 

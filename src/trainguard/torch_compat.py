@@ -1,0 +1,141 @@
+"""Every private torch API trainguard relies on, in one place (tests/test_torch_compat.py fails,
+naming the API, when a torch upgrade removes or changes one).
+
+torch has no public way to do these things; each use says why it is needed and what happens
+without it. The agent's overrides of SimpleElasticAgent's abstract methods (``_rendezvous``,
+``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_restart_workers``,
+``_initialize_workers``, ``_shutdown``) and of PContext's (``_start``, ``_poll``, ``_close``) are
+torch elastic's documented extension points and stay in those classes.
+
+Replaced by public paths (no longer used): ``torch.distributed.launcher.api._get_addr_and_port``
+(launch/api.py reads the static endpoint with ``parse_rendezvous_endpoint``) and
+``multiprocessing.api._terminate_process_handler`` (launch/api.py raises the public
+``SignalException`` itself); ``agent._worker_group`` (``get_worker_group()``).
+
+Nothing is imported at module level: workers import this module too, and must not pay for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# --------------------------------------------------------------------------- elastic agent
+
+# SimpleElasticAgent keeps its restart budget in ``_remaining_restarts`` (set from
+# spec.max_restarts, decremented by its run loop before each restart). The policy steers it: a
+# stopped job has none left, a membership change does not use one.
+_REMAINING = "_remaining_restarts"
+
+
+def remaining_restarts(agent: Any) -> int:
+    return int(getattr(agent, _REMAINING))
+
+
+def set_remaining_restarts(agent: Any, value: int) -> None:
+    if not hasattr(agent, _REMAINING):
+        raise AttributeError(f"torch's SimpleElasticAgent has no {_REMAINING}: the restart budget cannot be steered")
+    setattr(agent, _REMAINING, max(0, int(value)))
+
+
+# LocalElasticAgent's ``_monitor_workers`` and ``_shutdown`` read the process context from
+# ``_pcontext``; an agent that starts its own processes must put its context there.
+_PCONTEXT = "_pcontext"
+
+
+def set_process_context(agent: Any, pcontext: Any) -> None:
+    setattr(agent, _PCONTEXT, pcontext)
+
+
+def set_local_rank_env(agent: Any, env: dict[str, str], local_rank: int, spec: Any) -> None:
+    """LOCAL_RANK (and, in torch's virtual-local-rank mode, CUDA_VISIBLE_DEVICES) for one worker.
+
+    LocalElasticAgent._set_local_rank_env (torch >= 2.9) knows torch's current rules; older
+    torch sets LOCAL_RANK alone, which is what this falls back to."""
+    method = getattr(agent, "_set_local_rank_env", None)
+    if method is None:
+        env["LOCAL_RANK"] = str(local_rank)
+        return
+    method(env, local_rank, spec)
+
+
+# ------------------------------------------------------------------------------ rendezvous
+
+
+def leave_rendezvous(handler: Any, timeout_s: float = 30.0) -> bool:
+    """Leave the c10d rendezvous without closing it for the others: stop this node's heartbeat and
+    drop it from the participants (what ``next_rendezvous`` does first), so the next round forms
+    without waiting for it. torch has no public "leave" call; without it (False) the others drop
+    this node once its heartbeat times out."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    run = getattr(getattr(handler, "_op_executor", None), "run", None)
+    if stop is None or run is None:
+        return False
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+    stop()
+    run(_RendezvousExitOp(), time.monotonic() + timeout_s)
+    return True
+
+
+# ----------------------------------------------------------------------- worker processes
+
+# Imported in pre-started workers before they are needed: torch._dynamo is imported lazily by
+# DDP's constructor and alone costs ~1.8 s of a worker start. A module missing in another torch
+# version is skipped (the worker then imports it when it needs it, as without pre-start).
+PREIMPORT = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch.utils.data")
+
+
+def preimport() -> None:
+    import importlib
+
+    for name in PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def dataloader_iterator_base() -> Any:
+    """The base class of every DataLoader iterator (single- and multi-process): wrapping its
+    ``__next__`` times each batch fetch. Private in torch (``_BaseDataLoaderIter``)."""
+    from torch.utils.data import dataloader
+
+    return dataloader._BaseDataLoaderIter
+
+
+def ddp_builtin_comm_hook_name(ddp_class: Any) -> str | None:
+    """Name of DDP's method that registers a C++ built-in comm hook (private in torch 2.x,
+    public in some versions); None when neither exists."""
+    for name in ("_register_builtin_comm_hook", "register_builtin_comm_hook"):
+        if hasattr(ddp_class, name):
+            return name
+    return None
+
+
+def ddp_has_own_comm_path(ddp: Any) -> bool:
+    """DDP runs its own reducer (compiled autograd) or has registered a comm hook itself (mixed
+    precision): then no hook of ours may be added."""
+    return bool(getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_comm_hooks", None))
+
+
+def ddp_forget_comm_hook(ddp: Any, state: object) -> None:
+    """Undo a half-registered comm hook whose state is ``state`` (DDP appended it before failing)."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks and hooks[-1][1] is state:
+        hooks.pop()
+
+
+def ddp_check_comm_hook(ddp: Any, hook: Any) -> None:
+    """DDP's own validation of a user's comm hook (raises as ``register_comm_hook`` would)."""
+    check = getattr(ddp, "_check_comm_hook", None)
+    if check is not None:
+        check(hook)
+
+
+def ddp_log_comm_hook_name(ddp: Any, name: str) -> None:
+    """Tell DDP's usage logger the user's hook name, as ``register_comm_hook`` does."""
+    try:
+        ddp.logger._set_comm_hook_name(name)
+    except Exception:
+        pass

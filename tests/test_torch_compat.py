@@ -1,0 +1,144 @@
+"""The private torch APIs trainguard relies on (trainguard/torch_compat.py), against the installed torch.
+
+Each test names the API it guards: when a torch upgrade removes or changes one, the failure says
+which, and the adapter is the one place to change."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+from datetime import timedelta
+from itertools import count
+
+import pytest
+import torch
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from trainguard import torch_compat as C
+
+_ids = count()
+
+
+def handler(max_nodes: int = 1):
+    """A real c10d rendezvous handler, its store on a free loopback port."""
+    params = RendezvousParameters(
+        backend="c10d", endpoint="127.0.0.1:0", run_id=f"compat-{next(_ids)}", min_nodes=1, max_nodes=max_nodes,
+        join_timeout=60, last_call_timeout=1,
+    )  # fmt: skip
+    return rdzv_registry.get_rendezvous_handler(params)
+
+
+@pytest.fixture
+def agent(tmp_path):
+    h = handler()
+    spec = WorkerSpec(role="t", local_world_size=1, entrypoint="python", args=(), rdzv_handler=h, max_restarts=3)
+    a = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    yield a
+    h.shutdown()
+
+
+def test_restart_budget_is_SimpleElasticAgent__remaining_restarts(agent):
+    assert hasattr(agent, "_remaining_restarts"), "torch removed SimpleElasticAgent._remaining_restarts"
+    assert C.remaining_restarts(agent) == 3, "SimpleElasticAgent._remaining_restarts no longer starts at max_restarts"
+    C.set_remaining_restarts(agent, 0)
+    assert agent._remaining_restarts == 0 and C.remaining_restarts(agent) == 0
+    C.set_remaining_restarts(agent, -4)
+    assert C.remaining_restarts(agent) == 0
+
+
+def test_process_context_is_LocalElasticAgent__pcontext(agent):
+    closed = []
+
+    class Procs:
+        def close(self, death_sig, timeout):
+            closed.append((death_sig, timeout))
+
+    C.set_process_context(agent, Procs())
+    agent._shutdown(timeout=7)  # torch's own shutdown must reach the context we put there
+    assert closed == [(signal.SIGTERM, 7)], "LocalElasticAgent._shutdown no longer closes self._pcontext"
+
+
+def test_local_rank_env_is_LocalElasticAgent__set_local_rank_env(agent):
+    assert hasattr(LocalElasticAgent, "_set_local_rank_env"), "torch removed LocalElasticAgent._set_local_rank_env"
+    env: dict[str, str] = {}
+    C.set_local_rank_env(agent, env, 2, agent.get_worker_group().spec)
+    assert env["LOCAL_RANK"] == "2"
+
+    class Old:  # a torch without the method: LOCAL_RANK alone, as torch did then
+        pass
+
+    old: dict[str, str] = {}
+    C.set_local_rank_env(Old(), old, 1, None)
+    assert old == {"LOCAL_RANK": "1"}
+
+
+def test_leave_rendezvous_uses_stop_heartbeats_op_executor_and_RendezvousExitOp():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as D
+
+    assert hasattr(D, "_RendezvousExitOp"), "torch removed dynamic_rendezvous._RendezvousExitOp"
+    h = handler(max_nodes=2)
+    try:
+        assert callable(getattr(h, "_stop_heartbeats", None)), "torch removed DynamicRendezvousHandler._stop_heartbeats"
+        assert callable(getattr(getattr(h, "_op_executor", None), "run", None)), (
+            "torch removed DynamicRendezvousHandler._op_executor.run"
+        )
+        h.next_rendezvous()  # this node joins (min 1 node: the round completes after the last call)
+        holder = h._state_holder
+        holder.sync()
+        assert len(holder.state.participants) == 1
+        assert C.leave_rendezvous(h, timeout_s=30)
+        holder.sync()
+        assert holder.state.participants == {}, "the exit op no longer drops this node from the participants"
+        assert not h.is_closed(), "leaving must not close the rendezvous for the others"
+    finally:
+        h.shutdown()
+    assert not C.leave_rendezvous(object())  # a handler without them: the others time this node out
+
+
+def test_preimported_modules_exist():
+    for name in C.PREIMPORT:
+        assert importlib.import_module(name), f"torch no longer has {name} (pre-started workers import it)"
+
+
+def test_dataloader_iterators_share_BaseDataLoaderIter():
+    base = C.dataloader_iterator_base()
+    data = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    assert isinstance(iter(data), base), "DataLoader iterators no longer derive from _BaseDataLoaderIter"
+    assert "__next__" in vars(base), "_BaseDataLoaderIter no longer defines __next__ (the DataLoader span wraps it)"
+
+
+def test_ddp_comm_hook_internals(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    name = C.ddp_builtin_comm_hook_name(DDP)
+    assert name is not None, "DDP has neither _register_builtin_comm_hook nor register_builtin_comm_hook"
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DDP(torch.nn.Linear(2, 2))
+        assert hasattr(ddp, "_comm_hooks"), "DDP no longer keeps its comm hooks in _comm_hooks"
+        assert hasattr(ddp, "_use_python_reducer"), "DDP no longer has _use_python_reducer"
+        assert not C.ddp_has_own_comm_path(ddp)
+        assert callable(getattr(ddp, "_check_comm_hook", None)), "DDP no longer has _check_comm_hook"
+        assert callable(getattr(ddp.logger, "_set_comm_hook_name", None)), "DDP's logger lost _set_comm_hook_name"
+        with pytest.raises(TypeError):
+            C.ddp_check_comm_hook(ddp, "not a hook")  # DDP's own validation ran
+        state = object()
+
+        def hook(state, bucket):
+            return bucket.buffer()
+
+        C.ddp_check_comm_hook(ddp, hook)
+        ddp.register_comm_hook(state, hook)
+        assert ddp._comm_hooks[-1] == (hook, state), "DDP no longer appends (hook, state) to _comm_hooks"
+        assert C.ddp_has_own_comm_path(ddp)
+        C.ddp_forget_comm_hook(ddp, state)
+        assert ddp._comm_hooks == []
+    finally:
+        dist.destroy_process_group()
+        del store
