@@ -10,66 +10,70 @@ import argparse
 import json
 
 from trainguard.checks.items import ITEM_NAMES, CheckConfig, passed, run_checks
+from trainguard.options import given
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = CheckConfig()
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--nproc-per-node", type=int, default=None, help="GPUs the job will use on this node")
-    p.add_argument("--gpu", choices=["auto", "require", "off"], default="auto",
-                   help="auto: check GPUs when present; require: fail without them")  # fmt: skip
+    p.add_argument("--gpu", choices=["auto", "require", "off"], default=None,
+                   help=f"auto: check GPUs when present; require: fail without them (default {d.gpu_mode})")  # fmt: skip
     p.add_argument("--hostfile", action="append", default=None, metavar="GLOB",
-                   help="host files whose names must resolve (default /etc/volcano/*.host)")  # fmt: skip
+                   help=f"host files whose names must resolve (default {' '.join(d.hostfile_globs)})")  # fmt: skip
     p.add_argument("--rdzv-endpoint", default=None, help="HOST[:PORT] that must resolve")
     p.add_argument("--master-addr", default=None, help="with --master-port: the port must be free here")
     p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--root-dir", default="/", help="path checked by disk-size root")
-    p.add_argument("--shm-dir", default="/dev/shm", help="path checked by disk-size shm")
-    p.add_argument(
-        "--cache-dir", default="/cache", help="path checked by disk-size cache (skipped if absent)"
-    )
-    p.add_argument(
-        "--check-disk-root-gb", type=float, default=32.0, metavar="GB", help="free GB needed (> GB)"
-    )
-    p.add_argument("--check-disk-shm-gb", type=float, default=1.0, metavar="GB")
-    p.add_argument("--check-disk-cache-gb", type=float, default=32.0, metavar="GB")
-    p.add_argument("--ulimit", choices=["auto", "always", "never"], default="auto",
-                   help="auto: check limits only with an InfiniBand device (seed)")  # fmt: skip
-    p.add_argument("--ulimit-memlock-kb", type=int, default=16000)
-    p.add_argument("--ulimit-nofile", type=int, default=1_000_000)
-    p.add_argument("--ulimit-stack-kb", type=int, default=8000)
-    p.add_argument("--ulimit-nproc", type=int, default=1_000_000)
+    p.add_argument("--root-dir", default=None, help=f"path checked by disk-size root (default {d.root_path})")
+    p.add_argument("--shm-dir", default=None, help=f"path checked by disk-size shm (default {d.shm_path})")
+    p.add_argument("--cache-dir", default=None,
+                   help=f"path checked by disk-size cache, skipped if absent (default {d.cache_path})")  # fmt: skip
+    p.add_argument("--check-disk-root-gb", type=float, default=None, metavar="GB",
+                   help=f"free GB needed (> GB, default {d.root_min_gb:g})")  # fmt: skip
+    p.add_argument("--check-disk-shm-gb", type=float, default=None, metavar="GB", help=f"(default {d.shm_min_gb:g})")
+    p.add_argument("--check-disk-cache-gb", type=float, default=None, metavar="GB", help=f"(default {d.cache_min_gb:g})")
+    p.add_argument("--ulimit", choices=["auto", "always", "never"], default=None,
+                   help=f"auto: check limits only with an InfiniBand device (seed) (default {d.ulimit_mode})")  # fmt: skip
+    p.add_argument("--ulimit-memlock-kb", type=int, default=None, help=f"(default {d.ulimit_memlock_kb})")
+    p.add_argument("--ulimit-nofile", type=int, default=None, help=f"(default {d.ulimit_nofile})")
+    p.add_argument("--ulimit-stack-kb", type=int, default=None, help=f"(default {d.ulimit_stack_kb})")
+    p.add_argument("--ulimit-nproc", type=int, default=None, help=f"(default {d.ulimit_nproc})")
     p.add_argument("--require-cuda-toolkit", action="store_true", help="fail when nvcc is missing")
-    p.add_argument("--dns-timeout", type=float, default=3.0, metavar="SECONDS")
+    p.add_argument("--dns-timeout", type=float, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
     p.add_argument(
         "--skip", action="append", default=[], metavar="ITEM", help=f"leave out: {', '.join(ITEM_NAMES)}"
     )
 
 
+# CheckConfig field -> option of `trainguard check`
+_OPTIONS = {
+    "dns_timeout_s": "dns_timeout",
+    "root_path": "root_dir",
+    "root_min_gb": "check_disk_root_gb",
+    "shm_path": "shm_dir",
+    "shm_min_gb": "check_disk_shm_gb",
+    "cache_path": "cache_dir",
+    "cache_min_gb": "check_disk_cache_gb",
+    "ulimit_mode": "ulimit",
+    "ulimit_memlock_kb": "ulimit_memlock_kb",
+    "ulimit_nofile": "ulimit_nofile",
+    "ulimit_stack_kb": "ulimit_stack_kb",
+    "ulimit_nproc": "ulimit_nproc",
+    "gpu_mode": "gpu",
+    "nproc_per_node": "nproc_per_node",
+    "master_addr": "master_addr",
+    "master_port": "master_port",
+    "hostfile_globs": "hostfile",
+}
+
+
 def config_from(args: argparse.Namespace) -> CheckConfig:
-    cfg = CheckConfig(
+    return CheckConfig(
         endpoints=[e for e in (args.rdzv_endpoint, args.master_addr) if e],
-        dns_timeout_s=args.dns_timeout,
-        root_path=args.root_dir,
-        root_min_gb=args.check_disk_root_gb,
-        shm_path=args.shm_dir,
-        shm_min_gb=args.check_disk_shm_gb,
-        cache_path=args.cache_dir,
-        cache_min_gb=args.check_disk_cache_gb,
-        ulimit_mode=args.ulimit,
-        ulimit_memlock_kb=args.ulimit_memlock_kb,
-        ulimit_nofile=args.ulimit_nofile,
-        ulimit_stack_kb=args.ulimit_stack_kb,
-        ulimit_nproc=args.ulimit_nproc,
-        gpu_mode=args.gpu,
-        nproc_per_node=args.nproc_per_node,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
         require_cuda_toolkit=args.require_cuda_toolkit,
         skip=set(args.skip),
+        **given(args, _OPTIONS),
     )
-    if args.hostfile:
-        cfg.hostfile_globs = list(args.hostfile)
-    return cfg
 
 
 def main(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from trainguard.checks.bench import CHAOS_ENV, parse_chaos
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
 from trainguard.detect.nodecheck import Verdict
+from trainguard.options import given
 
 EXIT_FAULTY, EXIT_STRAGGLER = 1, 3
 
@@ -41,29 +42,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_check_arguments(p: Any, prefix: str = "node-check-") -> None:
-    """Benchmark and verdict options (shared with `trainguard run --node-check`)."""
-    p.add_argument(f"--{prefix}backend", choices=["auto", "gloo", "nccl"], default="auto")
-    p.add_argument(f"--{prefix}timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="limit for one group test (process start, group setup, benchmark)")  # fmt: skip
-    p.add_argument(f"--{prefix}gemm-n", type=int, default=0, help="GEMM size (0: 4096 on GPU, 256 on CPU)")
-    p.add_argument(f"--{prefix}coll-mb", type=float, default=0.0, help="MB per collective (0: 64 GPU, 1 CPU)")
-    p.add_argument(f"--{prefix}iters", type=int, default=10, help="timed iterations per operation")
-    p.add_argument(f"--{prefix}straggler-ratio", type=float, default=2.0,
-                   help="a straggler is at least this many times the median time (and beyond median + k*MAD)")  # fmt: skip
-    p.add_argument(f"--{prefix}straggler-k", type=float, default=3.0, help="k of the median + k*MAD rule")
+    """Benchmark and verdict options (shared with `trainguard run --node-check`). Defaults: NodeCheckConfig."""
+    d = NodeCheckConfig()
+    p.add_argument(f"--{prefix}backend", choices=["auto", "gloo", "nccl"], default=None,
+                   help=f"collective backend (default {d.backend}: nccl with CUDA, else gloo)")  # fmt: skip
+    p.add_argument(f"--{prefix}timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"limit for one group test: process start, group setup, benchmark (default {d.timeout_s:g})")  # fmt: skip
+    p.add_argument(f"--{prefix}gemm-n", type=int, default=None, help="GEMM size (default: 4096 on GPU, 256 on CPU)")
+    p.add_argument(f"--{prefix}coll-mb", type=float, default=None, help="MB per collective (default: 64 GPU, 1 CPU)")
+    p.add_argument(f"--{prefix}iters", type=int, default=None, help=f"timed iterations per operation (default {d.iters})")
+    p.add_argument(f"--{prefix}straggler-ratio", type=float, default=None,
+                   help=f"a straggler is at least this many times the median time, and beyond median + k*MAD "
+                   f"(default {d.straggler_ratio:g})")  # fmt: skip
+    p.add_argument(f"--{prefix}straggler-k", type=float, default=None,
+                   help=f"k of the median + k*MAD rule (default {d.straggler_k:g})")
+
+
+# NodeCheckConfig field -> option name (after the prefix)
+_CHECK_OPTIONS = {
+    "backend": "backend",
+    "timeout_s": "timeout",
+    "gemm_n": "gemm_n",
+    "coll_mb": "coll_mb",
+    "iters": "iters",
+    "straggler_ratio": "straggler_ratio",
+    "straggler_k": "straggler_k",
+}
 
 
 def config_from(args: argparse.Namespace, prefix: str = "") -> NodeCheckConfig:
     a = prefix.replace("-", "_")
-    return NodeCheckConfig(
-        backend=getattr(args, f"{a}backend"),
-        timeout_s=getattr(args, f"{a}timeout"),
-        gemm_n=getattr(args, f"{a}gemm_n"),
-        coll_mb=getattr(args, f"{a}coll_mb"),
-        iters=getattr(args, f"{a}iters"),
-        straggler_ratio=getattr(args, f"{a}straggler_ratio"),
-        straggler_k=getattr(args, f"{a}straggler_k"),
-    )
+    return NodeCheckConfig(**given(args, {field: a + name for field, name in _CHECK_OPTIONS.items()}))
 
 
 def _chaos_map(specs: list[str], nnodes: int) -> dict[int, str]:

@@ -29,6 +29,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainguard.detect.robust import median_and_spread, slower
+
 Group = tuple[int, ...]
 
 
@@ -126,12 +128,10 @@ def outliers(values: dict[int, float], k: float = 3.0, min_ratio: float = 2.0) -
     """node -> ratio to the median, for values above median + k*1.4826*MAD and min_ratio*median."""
     if len(values) < 2:
         return {}
-    med = statistics.median(values.values())
+    med, spread = median_and_spread(values.values())
     if med <= 0:
         return {}
-    mad = statistics.median(abs(v - med) for v in values.values())
-    limit = max(med + k * 1.4826 * mad, min_ratio * med)
-    return {n: v / med for n, v in values.items() if v > limit}
+    return {n: v / med for n, v in values.items() if slower(v, med, spread, k=k, ratio=min_ratio, strict=True)}
 
 
 def _best(results: list[TestResult], metric: str) -> dict[int, float]:

@@ -23,6 +23,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from trainguard.detect.robust import median_and_spread, slower
+
 COMPUTE, DATALOADER, COMMUNICATION = "compute", "dataloader", "communication"
 # Which span kind feeds which metric.
 SPAN_METRIC = {"FP": COMPUTE, "DataLoader": DATALOADER, "Communication": COMMUNICATION}
@@ -172,11 +174,6 @@ class WindowBuilder:
 
 
 # ---- detection ----------------------------------------------------------------------------------
-def _mad(values: Sequence[float]) -> float:
-    med = statistics.median(values)
-    return statistics.median(abs(v - med) for v in values)
-
-
 def flag_window(ranks: Iterable[RankWindow], cfg: StragglerConfig) -> list[Flag]:
     """Ranks slower than their peers in one window (own work first, see module doc)."""
     ranks = list(ranks)
@@ -194,10 +191,10 @@ def _outliers(ranks: list[RankWindow], kind: str, cfg: StragglerConfig) -> list[
         return []
     out = []
     for i, (r, v) in enumerate(values):
-        peers = [pv for j, (_, pv) in enumerate(values) if j != i]
-        ref = statistics.median(peers)
-        spread = 1.4826 * _mad(peers) if len(peers) >= 3 else 0.0
-        if not (v >= ref * cfg.ratio and v - ref >= max(cfg.min_delta_ms, cfg.mad_k * spread)):
+        ref, spread = median_and_spread(pv for j, (_, pv) in enumerate(values) if j != i)
+        if len(values) - 1 < 3:
+            spread = 0.0  # too few peers for a spread: the ratio and the floor decide
+        if not slower(v, ref, spread, k=cfg.mad_k, ratio=cfg.ratio, min_delta=cfg.min_delta_ms):
             continue
         if kind == COMMUNICATION:
             own = r.step_ms - v

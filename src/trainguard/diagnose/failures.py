@@ -9,25 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-import signal as _signal
 from pathlib import Path
 from typing import Any
 
 from trainguard.diagnose.rules import RuleSet
 from trainguard.diagnose.scan import Hit
+from trainguard.exitcodes import signal_name, signal_number
 
 _MAX_ERROR_FILE = 1 << 20
-
-
-def _signal_name(value: Any, exitcode: Any) -> str | None:
-    if isinstance(value, str) and value:
-        return value if value.startswith("SIG") else f"SIG{value}"
-    if isinstance(exitcode, int) and exitcode < 0:
-        try:
-            return _signal.Signals(-exitcode).name
-        except ValueError:
-            return None
-    return None
 
 
 def _error_message(data: Any) -> str:
@@ -46,10 +35,10 @@ def failure_hits(failures: dict[int, dict[str, Any]], rules: RuleSet, origin: st
         if not isinstance(info, dict):
             continue
         exitcode = info.get("exitcode")
-        sig = _signal_name(info.get("signal"), exitcode)
+        sig = signal_name(exitcode, info.get("signal"))
+        num = signal_number(sig)
         lines = []
-        if sig:
-            num = _signal.Signals[sig].value if sig in _signal.Signals.__members__ else "?"
+        if num is not None:
             lines.append(f"Signal {num} ({sig}) received by PID {info.get('pid')}")
         elif isinstance(exitcode, int) and exitcode != 0:
             lines.append(f"exitcode : {exitcode} (pid: {info.get('pid')})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -73,11 +74,80 @@ def _optional(fn: Any, *args: Any) -> Any:
         return None
 
 
+@dataclass(frozen=True)
+class GpuId:
+    """How CUDA_VISIBLE_DEVICES may name a GPU: its NVML index, its UUID, its MIG instances' UUIDs."""
+
+    index: int
+    uuid: str = ""
+    mig: tuple[str, ...] = ()
+
+
+def _mig_uuids(handle: Any) -> tuple[str, ...]:
+    """UUIDs of the MIG instances of a GPU (none when MIG is off or unsupported)."""
+    max_count = getattr(_nv, "nvmlDeviceGetMaxMigDeviceCount", None)  # absent in old nvidia-ml-py
+    count = _optional(max_count, handle) if max_count is not None else 0
+    out = []
+    for i in range(int(count or 0)):
+        mig = _optional(_nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)  # empty slots raise
+        uuid = _optional(_nv.nvmlDeviceGetUUID, mig) if mig is not None else None
+        if uuid:
+            out.append(_text(uuid))
+    return tuple(out)
+
+
+def gpu_ids() -> list[GpuId] | None:
+    """Index and UUIDs of every GPU of this machine. None when NVML is unavailable."""
+    count = device_count()
+    if count is None:
+        return None
+    out = []
+    for i in range(count):
+        handle = _optional(_nv.nvmlDeviceGetHandleByIndex, i)
+        if handle is None:
+            out.append(GpuId(i))
+            continue
+        out.append(GpuId(i, _text(_optional(_nv.nvmlDeviceGetUUID, handle) or ""), _mig_uuids(handle)))
+    return out
+
+
+def _resolve(token: str, gpus: Sequence[GpuId]) -> int | None:
+    if token.isdigit():
+        index = int(token)
+        return index if any(g.index == index for g in gpus) else None
+    if token.startswith("MIG-GPU-"):  # the pre-R470 form: MIG-GPU-<gpu uuid>/<gi>/<ci>
+        token = token[len("MIG-"):].split("/", 1)[0]
+    if token.startswith("MIG-"):
+        hits = {g.index for g in gpus for m in g.mig if m.startswith(token)}
+    else:
+        hits = {g.index for g in gpus if g.uuid and g.uuid.startswith(token)}
+    return hits.pop() if len(hits) == 1 else None  # a prefix must name one device
+
+
+def visible_indices(spec: str | None, gpus: Sequence[GpuId]) -> list[int]:
+    """NVML indices of the GPUs a process sees under ``CUDA_VISIBLE_DEVICES=spec``, in CUDA's order.
+
+    ``spec`` None: every GPU. Entries are indices, GPU UUIDs (``GPU-...``) or MIG instance UUIDs
+    (``MIG-...``, also the older ``MIG-GPU-<uuid>/<gi>/<ci>``), each possibly a unique prefix, and
+    are matched against the UUIDs NVML reports. Like CUDA, the list ends at the first entry that
+    names no device. A MIG instance counts as its GPU (health and utilisation are per GPU)."""
+    if spec is None:
+        return [g.index for g in gpus]
+    out: list[int] = []
+    for token in (t.strip() for t in spec.split(",")):
+        index = _resolve(token, gpus) if token else None
+        if index is None:
+            break
+        out.append(index)
+    return out
+
+
 @dataclass
 class GpuHealth:
     index: int
     name: str = ""
     uuid: str = ""
+    mig: tuple[str, ...] = ()  # UUIDs of its MIG instances
     ecc_uncorrected_volatile: int | None = None  # uncorrectable ECC errors since the driver loaded
     retired_pages_dbe: int | None = None  # pages retired for double-bit ECC errors (pre-Ampere)
     retired_pages_pending: bool | None = None  # a retirement waits for a GPU reset
@@ -88,6 +158,9 @@ class GpuHealth:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def id(self) -> GpuId:
+        return GpuId(self.index, self.uuid, tuple(self.mig))
 
 
 def _health_of(index: int) -> GpuHealth:
@@ -100,6 +173,7 @@ def _health_of(index: int) -> GpuHealth:
         return h
     h.name = _text(_optional(_nv.nvmlDeviceGetName, handle) or "")
     h.uuid = _text(_optional(_nv.nvmlDeviceGetUUID, handle) or "")
+    h.mig = _mig_uuids(handle)
     h.ecc_uncorrected_volatile = _optional(
         _nv.nvmlDeviceGetTotalEccErrors, handle, _nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, _nv.NVML_VOLATILE_ECC
     )

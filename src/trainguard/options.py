@@ -1,0 +1,52 @@
+"""Command-line options shared by every command: value types that refuse bad input with one clear
+line, and settings dataclasses built once from the parsed options.
+
+Defaults live in one place: a flag whose value feeds a settings dataclass has ``default=None`` in
+argparse, and ``given`` passes on only the flags the user set, so the dataclass default applies
+otherwise (help texts quote the dataclass default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A setting (flag or environment variable) that cannot be right. The message names it and is
+    printed as the one error line of the command."""
+
+
+def number(what: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite number above ``minimum`` (or equal to it with ``inclusive``)."""
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value: Any = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        ok = value >= minimum if inclusive else value > minimum
+        if not (ok and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive = number("a number")
+positive_int = number("a positive integer", integer=True)
+non_negative = number("a number", inclusive=True)
+
+
+def given(options: Any, fields: Mapping[str, str]) -> dict[str, Any]:
+    """``{field: value}`` for each ``field: option_name`` the user set (value not None)."""
+    out = {}
+    for name, option in fields.items():
+        value = getattr(options, option, None)
+        if value is not None:
+            out[name] = value
+    return out
