@@ -12,7 +12,7 @@ from trainguard.events import EventBus, EventStore
 from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
 from trainguard.launch.profiling import ProfilingMonitor
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action
-from trainguard.worker import profile_files as pf
+from trainguard.launch import profile_files as pf
 from trainguard.worker import ring as R
 from trainguard.worker import spans
 

@@ -6,25 +6,26 @@ import argparse
 import importlib
 import sys
 
+from trainguard.exitcodes import EXIT_USAGE
+
 # name -> (module, one-line help). Each module defines add_arguments(parser) and main(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("trainguard.launch.cli", "launch a guarded job (torchrun's flags plus trainguard's)"),
     "events": ("trainguard.events.cli", "show a run's events (table, --json, --follow)"),
     "check": ("trainguard.checks.cli", "pre-flight checks of this node (seed item names and thresholds)"),
     "nodecheck": ("trainguard.checks.nodecheck_cli", "GEMM + collective health check in paired groups"),
-    "profile": ("trainguard.worker.profile_cli", "switch lightweight profiling on/off at run time"),
+    "profile": ("trainguard.launch.profile_cli", "switch lightweight profiling on/off at run time"),
     "diagnose": ("trainguard.diagnose.cli", "find the first failure and root cause in rank logs"),
     "slowdown": ("trainguard.diagnose.slowdown_cli", "warn when training slows down, from its logs"),
 }
 
-USAGE_ERROR = 2
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad usage as one clear line and exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(USAGE_ERROR, f"trainguard {self.prog.split()[-1]}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"trainguard {self.prog.split()[-1]}: error: {message}\n")
 
 
 def _top_help() -> str:
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"trainguard: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
-        return USAGE_ERROR
+        return EXIT_USAGE
     module = importlib.import_module(COMMANDS[name][0])
     parser = module.make_parser() if hasattr(module, "make_parser") else _Parser(prog=f"trainguard {name}")
     if not hasattr(module, "make_parser"):

@@ -32,7 +32,7 @@ from trainguard.detect import straggler as S
 from trainguard.launch.monitor import Monitor, MonitorContext, StepSample
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action, Decision
 from trainguard.probes.ring_reader import RingNotReady, RingReader
-from trainguard.worker import profile_files as pf
+from trainguard.launch import profile_files as pf
 from trainguard.worker import ring as R
 from trainguard.worker.bootstrap import ENV_FLAGS, ENV_RING_PREFIX
 

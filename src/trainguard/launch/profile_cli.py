@@ -14,10 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from trainguard.worker import profile_files as pf
+from trainguard.exitcodes import EXIT_USAGE
+from trainguard.launch import profile_files as pf
 from trainguard.worker.ring import FLAG_BASIC, FLAG_COMM
-
-USAGE_ERROR = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"trainguard profile: error: no run directory {run_dir}", file=sys.stderr)
-        return USAGE_ERROR
+        return EXIT_USAGE
     try:
         current = pf.read_switch(run_dir)
     except ValueError as exc:
@@ -39,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     if args.state is None:
         if args.comm is not None:
             print("trainguard profile: error: --comm needs a state (on|off)", file=sys.stderr)
-            return USAGE_ERROR
+            return EXIT_USAGE
         if current is None:
             print(f"no profiling switch in {run_dir} (the agent writes one when it starts)")
             return 0
@@ -48,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     if args.state == "off":
         if args.comm == "on":
             print("trainguard profile: error: Communication can be on only while profiling is on", file=sys.stderr)
-            return USAGE_ERROR
+            return EXIT_USAGE
         flags = 0
     else:
         comm = args.comm == "on" if args.comm is not None else bool((current or 0) & FLAG_COMM)
