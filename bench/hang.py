@@ -28,13 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from hang_harness import run_job  # noqa: E402
 
 from trainguard.detect.hang import percentile  # noqa: E402
-from trainguard.launch.hang import (  # noqa: E402
-    DEFAULT_PERIOD,
-    DEFAULT_STEP_FACTOR,
-    DEFAULT_STEP_SLACK,
-    HangConfig,
-    HangMonitor,
-)
+from trainguard.launch.hang import HangConfig, HangMonitor  # noqa: E402
 
 
 def p99_step(steps: dict) -> float:
@@ -52,15 +46,15 @@ def main() -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--step-time-ms", type=float, default=100.0)
     p.add_argument("--fault-step", type=int, default=20)
-    p.add_argument("--period", type=float, default=DEFAULT_PERIOD)
-    p.add_argument("--slack", type=float, default=DEFAULT_STEP_SLACK)
+    p.add_argument("--period", type=float, default=HangConfig.period)
+    p.add_argument("--slack", type=float, default=HangConfig.step_slack)
     args = p.parse_args()
     if args.runs < 1 or args.world < 2:
         p.error("--runs >= 1 and --world >= 2")
 
     from torch.distributed.constants import default_pg_timeout
 
-    cfg = HangConfig(period=args.period, detect_time=30 * 60.0, step_slack=args.slack, step_factor=DEFAULT_STEP_FACTOR)
+    cfg = HangConfig(period=args.period, step_slack=args.slack)  # the seed's 30 min detect time, factor 3
     worker_args = [
         "--steps", str(args.fault_step + 50), "--step-time-ms", str(args.step_time_ms),
         "--fault", args.fault, "--fault-rank", str(args.world - 1), "--fault-step", str(args.fault_step),

@@ -16,17 +16,19 @@ from trainguard import policy
 from trainguard.checks.items import HardwareReport
 from trainguard.events import EventBus, EventStore
 from trainguard.launch import checks_monitor as CM
+from trainguard.launch.cli import make_parser
 from trainguard.launch.monitor import MonitorContext, StepTracker
 from trainguard.policy import Action
 
 
 def options(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    CM.add_run_arguments(p.add_argument_group("checks"))
-    p.add_argument("--nnodes", default="1")
-    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0")
-    p.add_argument("--nproc-per-node", default="1")
-    return p.parse_args(list(argv))
+    """`trainguard run` flags, parsed by its own parser."""
+    base = ["--nnodes", "1", "--rdzv-endpoint", "127.0.0.1:0", "--nproc-per-node", "1"]
+    return make_parser().parse_args([*base, *argv, "train.py"])
+
+
+def monitor(opts: argparse.Namespace, **kw) -> CM.ChecksMonitor:
+    return CM.ChecksMonitor(CM.ChecksSettings.from_options(opts), **kw)
 
 
 @pytest.fixture
@@ -54,19 +56,24 @@ def contexts(tmp_path, server, nnodes, opts, round_no=0):
                 events=EventBus(store, f"node{r}"),
                 steps=StepTracker(),
                 store=PrefixStore(f"round{round_no}", client),  # the agent's store is round-scoped
-                options=opts[r],
             )
         )
     return out
 
 
-def before_start_all(monitors, ctxs):
+def before_start_all(monitors, ctxs, opts):
+    """Every node's pre-start outcome, and what the policy decides on it for that node (as the agent does)."""
     decisions: dict[int, object] = {}
     errors: list[BaseException] = []
 
     def one(i):
         try:
-            decisions[i] = monitors[i].on_before_start(ctxs[i])
+            outcome = monitors[i].on_before_start(ctxs[i])
+            settings = policy.PolicySettings.from_options(opts[i])
+            n = ctxs[i].nnodes
+            decisions[i] = outcome and policy.decide_before_start(
+                outcome, ctxs[i].node_rank, n, settings.min_nodes(n), settings.node_check_exclude_straggler
+            )
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -88,8 +95,8 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
     common = ["--nnodes", "3:4", "--check-cache-dir", "/nonexistent", "--health-check-interval", "0"]
     opts = [options(*common) for _ in range(4)]
     opts[2] = options(*common, "--check-disk-shm-gb", "1e9")  # node 2's /dev/shm is "too small"
-    monitors = [CM.ChecksMonitor(o) for o in opts]
-    got = before_start_all(monitors, contexts(tmp_path, server, 4, opts))
+    monitors = [monitor(o) for o in opts]
+    got = before_start_all(monitors, contexts(tmp_path, server, 4, opts), opts)
     assert got[2].action == Action.EXCLUDE_NODE
     assert got[2].exit_message == policy.NODE_DOWN_MESSAGE == "The node is down."
     assert got[2].evidence["scenario"] == 2  # pre-check failed, hardware fine
@@ -104,7 +111,7 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
 
     # Next round without node 2: no new pre-check runs (first round only), everyone starts.
     again = before_start_all(
-        [monitors[i] for i in (0, 1, 3)], contexts(tmp_path, server, 3, opts[:3], round_no=1)
+        [monitors[i] for i in (0, 1, 3)], contexts(tmp_path, server, 3, opts[:3], round_no=1), opts[:3]
     )
     assert list(again.values()) == [None, None, None]
     assert len(kinds(tmp_path, "precheck_passed")) == 3
@@ -113,7 +120,7 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
 def test_failed_precheck_stops_a_job_that_is_not_elastic(tmp_path, server):
     common = ["--nnodes", "2", "--health-check-interval", "0"]
     opts = [options(*common), options(*common, "--check-disk-root-gb", "1e9")]
-    got = before_start_all([CM.ChecksMonitor(o) for o in opts], contexts(tmp_path, server, 2, opts))
+    got = before_start_all([monitor(o) for o in opts], contexts(tmp_path, server, 2, opts), opts)
     assert got[1].action == Action.EXCLUDE_NODE
     assert got[0].action == Action.STOP_JOB and "needs at least 2" in got[0].reason
 
@@ -134,13 +141,15 @@ def test_periodic_hardware_check_turns_a_fault_into_exclusion(tmp_path, server):
         )
 
     opts = options("--health-check-interval", "0.05", "--precheck", "off")
-    mon = CM.ChecksMonitor(opts, hardware_check_fn=fake)
+    mon = monitor(opts, hardware_check_fn=fake)
     ctx = contexts(tmp_path, server, 1, [opts])[0]
     try:
         mon.on_workers_started(ctx)
-        d = wait_for(lambda: mon.poll(ctx), timeout=60, what="a decision from poll")
+        fault = wait_for(lambda: mon.poll(ctx), timeout=60, what="evidence from poll")
     finally:
         mon.close()
+    assert fault.faults == ["GPU 0: row remapping failed"] and (fault.node, fault.node_rank) == ("node0", 0)
+    d = policy.decide_on_hardware_fault(fault, nnodes=2, min_nodes=1)  # a job that can go on without it
     assert d.action == Action.EXCLUDE_NODE and d.exit_message == "The node is down."
     assert "row remapping failed" in d.reason and d.source == "health_check"
     assert mon.poll(ctx) is None  # reported once
@@ -150,24 +159,22 @@ def test_periodic_hardware_check_turns_a_fault_into_exclusion(tmp_path, server):
 
 def test_workers_failed_runs_the_hardware_check_for_the_policy(tmp_path, server):
     opts = options("--health-check-interval", "0")
-    healthy = CM.ChecksMonitor(opts, hardware_check_fn=lambda c: HardwareReport(True, [], []))
+    healthy = monitor(opts, hardware_check_fn=lambda c: HardwareReport(True, [], []))
     ctx = contexts(tmp_path, server, 1, [opts])[0]
-    healthy.on_workers_failed(ctx, {1: ZERODIV})
-    assert ctx.extra["hardware"] == {"healthy": True, "faults": []}
-    d = policy.decide_on_failure({1: ZERODIV}, 3, None, ctx.extra["hardware"])
+    report = healthy.on_workers_failed(ctx, {1: ZERODIV})
+    assert (report.healthy, report.faults) == (True, [])
+    d = policy.decide_on_failure({1: ZERODIV}, 3, None, report)
     assert d.action == Action.STOP_JOB  # scenario 4
+    assert d.evidence["hardware"] == {"healthy": True, "faults": []}
 
-    sick = CM.ChecksMonitor(opts, hardware_check_fn=lambda c: HardwareReport(False, ["Xid 79"], []))
-    sick.on_workers_failed(ctx, {1: ZERODIV})
-    assert (
-        policy.decide_on_failure({1: ZERODIV}, 3, None, ctx.extra["hardware"]).action == Action.EXCLUDE_NODE
-    )
+    sick = monitor(opts, hardware_check_fn=lambda c: HardwareReport(False, ["Xid 79"], []))
+    report = sick.on_workers_failed(ctx, {1: ZERODIV})
+    assert policy.decide_on_failure({1: ZERODIV}, 3, None, report).action == Action.EXCLUDE_NODE
     assert [e.severity.label for e in kinds(tmp_path, "hardware_check")] == ["info", "critical"]
 
 
 def test_a_broken_hardware_checker_leaves_no_verdict(tmp_path, server):
     opts = options("--health-check-interval", "0")
-    mon = CM.ChecksMonitor(opts, hardware_check_fn=lambda c: 1 / 0)
+    mon = monitor(opts, hardware_check_fn=lambda c: 1 / 0)
     ctx = contexts(tmp_path, server, 1, [opts])[0]
-    mon.on_workers_failed(ctx, {})
-    assert "hardware" not in ctx.extra
+    assert mon.on_workers_failed(ctx, {}) is None

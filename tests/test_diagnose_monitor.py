@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainguard.events import EventBus
 from trainguard.events.store import EventStore
+from trainguard.evidence import Diagnosis, RankFailure
 from trainguard.launch import diagnosis_monitor
 from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
 
@@ -37,26 +38,12 @@ def test_monitor_diagnoses_the_attempt_logs_and_emits_an_event(tmp_path: Path):
     mon = diagnosis_monitor.create(_options())
     try:
         failures = {
-            0: {
-                "local_rank": 0,
-                "pid": 100,
-                "exitcode": 1,
-                "signal": None,
-                "error_file_data": None,
-                "log_tail": [],
-            },
-            1: {
-                "local_rank": 1,
-                "pid": 101,
-                "exitcode": -9,
-                "signal": "SIGKILL",
-                "error_file_data": None,
-                "log_tail": [],
-            },
+            0: RankFailure(local_rank=0, pid=100, exitcode=1),
+            1: RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL"),
         }
-        mon.on_workers_failed(ctx, failures)
-        d = ctx.extra["diagnosis"]
-        assert d["category"] == "host_oom" and d["first_failure"]["rank"] == 1 and d["attempt"] == 1
+        d = mon.on_workers_failed(ctx, failures)
+        assert isinstance(d, Diagnosis)
+        assert d.category == "host_oom" and d.first_failure["rank"] == 1 and d.details["attempt"] == 1
         (ev,) = store.query(kinds=["diagnosis"])
         assert ev.rank == 1 and ev.severity.label == "error" and ev.evidence["category"] == "host_oom"
         assert "SIGKILL" in ev.evidence["first_failure"]["line"]
@@ -68,15 +55,13 @@ def test_monitor_uses_error_file_data_and_log_tails_without_logs(tmp_path: Path)
     ctx, store = _ctx(tmp_path, restart_count=0)
     mon = diagnosis_monitor.create(_options("--diagnose-max-mb", "1"))
     try:
-        failures = {1: {"local_rank": 1, "pid": 101, "exitcode": 1, "signal": None, "log_tail": [],
-                        "error_file_data": {"message": {"message": "OSError: [Errno 28] No space left on device",
-                                                        "extraInfo": {"py_callstack": "...", "timestamp": "1795253401"}}}}}  # fmt: skip
-        mon.on_workers_failed(ctx, failures)
-        assert ctx.extra["diagnosis"]["category"] == "disk_full_or_io"
-        failures = {0: {"local_rank": 0, "pid": 100, "exitcode": 1, "signal": None, "error_file_data": None,
-                        "log_tail": ["step=3 rank=0", "RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly"]}}  # fmt: skip
-        mon.on_workers_failed(ctx, failures)
-        assert ctx.extra["diagnosis"]["category"] == "dataloader"
+        failures = {1: RankFailure(local_rank=1, pid=101, exitcode=1,
+                                   error_file_data={"message": {"message": "OSError: [Errno 28] No space left on device",
+                                                                "extraInfo": {"py_callstack": "...", "timestamp": "1795253401"}}})}  # fmt: skip
+        assert mon.on_workers_failed(ctx, failures).category == "disk_full_or_io"
+        failures = {0: RankFailure(local_rank=0, pid=100, exitcode=1,
+                                   log_tail=("step=3 rank=0", "RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly"))}  # fmt: skip
+        assert mon.on_workers_failed(ctx, failures).category == "dataloader"
         assert [e.evidence["category"] for e in store.query(kinds=["diagnosis"])] == [
             "disk_full_or_io",
             "dataloader",
@@ -90,8 +75,7 @@ def test_monitor_never_raises_and_can_be_switched_off(tmp_path: Path):
     ctx, store = _ctx(tmp_path)
     try:
         mon = diagnosis_monitor.create(_options())
-        mon.on_workers_failed(ctx, {"not-a-rank": "garbage"})  # type: ignore[dict-item]
-        assert ctx.extra["diagnosis"]["category"] == "unknown"
+        assert mon.on_workers_failed(ctx, {"not-a-rank": "garbage"}).category == "unknown"  # type: ignore[dict-item]
         assert store.query(kinds=["diagnosis"])
     finally:
         store.close()

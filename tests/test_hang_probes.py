@@ -139,14 +139,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_hang_options_flag_env_and_seed_alias(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in hang_monitor.DETECT_TIME_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert hang_monitor.config_from(parse([])).detect_time == 30 * 60
+    def config(argv: list[str]):
+        return hang_monitor.HangSettings.from_options(parse(argv)).config
+
+    assert config([]).detect_time == 30 * 60
     monkeypatch.setenv("MA_HANG_DETECT_TIME", "5")
-    assert hang_monitor.config_from(parse([])).detect_time == 300
+    assert config([]).detect_time == 300
     monkeypatch.setenv("TRAINGUARD_HANG_DETECT_TIME", "2")
-    assert hang_monitor.config_from(parse([])).detect_time == 120
-    cfg = hang_monitor.config_from(
-        parse(["--hang-detect-time", "0.5", "--hang-period", "0.2", "--hang-step-slack", "3"])
-    )
+    assert config([]).detect_time == 120
+    cfg = config(["--hang-detect-time", "0.5", "--hang-period", "0.2", "--hang-step-slack", "3"])
     assert (cfg.detect_time, cfg.period, cfg.step_slack) == (30, 0.2, 3)
     assert hang_monitor.create(parse(["--no-hang-detect"])) is None
     assert isinstance(hang_monitor.create(parse([])), hang_monitor.HangMonitor)
@@ -161,7 +162,8 @@ def test_hang_options_bad_values(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     monkeypatch.delenv("TRAINGUARD_HANG_DETECT_TIME", raising=False)
     monkeypatch.setenv("MA_HANG_DETECT_TIME", "thirty")
     with pytest.raises(ValueError, match="MA_HANG_DETECT_TIME='thirty'"):
-        hang_monitor.config_from(parse([]))
+        hang_monitor.HangSettings.from_options(parse([]))
+    assert hang_monitor.create(parse(["--no-hang-detect"])) is None  # switched off: the variable is not read
 
 
 # --- nodes share their stacks through the rendezvous store ------------------------------------

@@ -7,10 +7,11 @@ import itertools
 import pytest
 
 from trainguard import policy as P
+from trainguard.evidence import CheckOutcome, Diagnosis, HardwareFault, HardwareReport, RankFailure
 from trainguard.policy import Action
 
-HEALTHY = {"healthy": True, "faults": []}
-FAULTY = {"healthy": False, "faults": ["GPU 3: 2 uncorrectable ECC error(s) since driver load"]}
+HEALTHY = HardwareReport(True, [], [])
+FAULTY = HardwareReport(False, ["GPU 3: 2 uncorrectable ECC error(s) since driver load"], [])
 
 
 def err_file(message: str, stack: str = "") -> dict:
@@ -19,14 +20,9 @@ def err_file(message: str, stack: str = "") -> dict:
 
 
 def info(exitcode=1, signal=None, error=None, tail=None, local_rank=0):
-    return {
-        "local_rank": local_rank,
-        "pid": 1234,
-        "exitcode": exitcode,
-        "signal": signal,
-        "error_file_data": error,
-        "log_tail": tail or [],
-    }
+    return RankFailure(
+        local_rank=local_rank, pid=1234, exitcode=exitcode, signal=signal, error_file_data=error, log_tail=tuple(tail or ())
+    )
 
 
 ZERODIV = info(
@@ -153,30 +149,30 @@ def test_signal_beats_communication_and_bare_exit():
     ],
 )
 def test_diagnosis_category_decides_when_known(category, action):
-    d = P.decide_on_failure({0: BARE_EXIT}, 2, {"category": category, "rank": 0, "summary": "x"}, HEALTHY)
+    d = P.decide_on_failure({0: BARE_EXIT}, 2, Diagnosis(category, summary="x", first_failure={"rank": 0}), HEALTHY)
     assert d.action == action
     assert d.evidence["diagnosis"]["category"] == category
 
 
 def test_rank_comes_from_the_diagnosis_first_failure():
-    diag = {"category": "python_exception", "summary": "ZeroDivisionError", "first_failure": {"rank": 1}}
+    diag = Diagnosis("python_exception", summary="ZeroDivisionError", first_failure={"rank": 1})
     assert P.decide_on_failure({0: GLOO_PEER, 1: ZERODIV}, 2, diag, HEALTHY).rank == 1
 
 
 @pytest.mark.parametrize("category", ["unknown", "healthy", "dataloader", "slowdown"])
 def test_vague_diagnosis_categories_defer_to_the_failure_info(category):
-    assert P.decide_on_failure({1: ZERODIV}, 2, {"category": category}, HEALTHY).action == Action.STOP_JOB
-    assert P.decide_on_failure({1: SIGKILL}, 2, {"category": category}, HEALTHY).action == Action.RESTART
+    assert P.decide_on_failure({1: ZERODIV}, 2, Diagnosis(category), HEALTHY).action == Action.STOP_JOB
+    assert P.decide_on_failure({1: SIGKILL}, 2, Diagnosis(category), HEALTHY).action == Action.RESTART
 
 
 def test_unknown_diagnosis_category_falls_back_to_the_failure_info():
-    assert P.decide_on_failure({0: ZERODIV}, 2, {"category": "mystery"}, HEALTHY).action == Action.STOP_JOB
-    assert P.decide_on_failure({0: SIGKILL}, 2, {"category": "mystery"}, HEALTHY).action == Action.RESTART
+    assert P.decide_on_failure({0: ZERODIV}, 2, Diagnosis("mystery"), HEALTHY).action == Action.STOP_JOB
+    assert P.decide_on_failure({0: SIGKILL}, 2, Diagnosis("mystery"), HEALTHY).action == Action.RESTART
 
 
 def test_every_combination_yields_a_decision_with_evidence():
     failures = [ZERODIV, GLOO_PEER, NCCL_ERR, SIGKILL, SIGSEGV, BARE_EXIT, ECC_TAIL, TRACEBACK_ONLY, info()]
-    diagnoses = [None, {"category": "python_exception"}, {"category": "nccl_network"}, {"category": "??"}]
+    diagnoses = [None, Diagnosis("python_exception"), Diagnosis("nccl_network"), Diagnosis("??")]
     for f, diag, hw, budget in itertools.product(failures, diagnoses, [None, HEALTHY, FAULTY], [0, 1, 3]):
         d = P.decide_on_failure({0: f}, budget, diag, hw)
         assert d.action in (Action.RESTART, Action.STOP_JOB, Action.EXCLUDE_NODE)
@@ -187,10 +183,10 @@ def test_every_combination_yields_a_decision_with_evidence():
             assert budget > 0
 
 
-def test_old_interface_still_works():
-    assert P.on_worker_failure({0: SIGKILL}, 1).action == Action.RESTART
-    assert P.on_worker_failure({0: SIGKILL}, 0).action == Action.STOP_JOB
-    assert P.on_worker_failure({}, 1).action == Action.RESTART
+def test_without_diagnosis_or_hardware_check():
+    assert P.decide_on_failure({0: SIGKILL}, 1).action == Action.RESTART
+    assert P.decide_on_failure({0: SIGKILL}, 0).action == Action.STOP_JOB
+    assert P.decide_on_failure({}, 1).action == Action.RESTART
 
 
 def test_error_file_with_plain_string_message():
@@ -200,43 +196,61 @@ def test_error_file_with_plain_string_message():
 # ------------------------------------------------------------------ before start (1-2)
 
 
+def precheck(faulty, **kw):
+    return CheckOutcome("precheck", faulty, **kw)
+
+
+def nodecheck(faulty=None, stragglers=None, undetermined=""):
+    return CheckOutcome("node_check", faulty or {}, stragglers or {}, undetermined)
+
+
 def test_failed_node_is_excluded_and_the_rest_rerendezvous_when_elastic():
     faulty = {2: "pre-check failed: item disk-size root ... failed"}
-    mine = P.decide_before_start(2, 4, 3, faulty, evidence={"stage": "precheck"})
+    mine = P.decide_before_start(precheck(faulty), 2, 4, 3)
     assert mine.action == Action.EXCLUDE_NODE and mine.exit_message == "The node is down."
     assert mine.source == "precheck"
     for other in (0, 1, 3):
-        d = P.decide_before_start(other, 4, 3, faulty)
+        d = P.decide_before_start(nodecheck(faulty), other, 4, 3)
         assert d.action == Action.RERENDEZVOUS and "continuing on 3" in d.reason
-    named = P.decide_before_start(0, 4, 3, faulty, names={2: "gpu-07"})
+    named = P.decide_before_start(precheck(faulty, names={2: "gpu-07"}), 0, 4, 3)
     assert named.reason.startswith("node 2 (gpu-07) excluded")
 
 
+def test_precheck_scenario_says_whether_the_hardware_failed():
+    faulty = {1: "pre-check failed: item gpu-check ... failed", 2: "pre-check failed: item disk-size root ... failed"}
+    outcome = precheck(faulty, hardware_faulty=frozenset({1}))
+    assert P.decide_before_start(outcome, 1, 4, 2).evidence["scenario"] == 1
+    assert P.decide_before_start(outcome, 2, 4, 2).evidence["scenario"] == 2
+    assert P.decide_before_start(outcome, 0, 4, 2).evidence["scenario"] is None
+    assert "scenario" not in P.decide_before_start(nodecheck(faulty), 1, 4, 2).evidence
+
+
 def test_the_rest_stop_with_the_reason_when_not_elastic():
-    d = P.decide_before_start(0, 4, 4, {2: "bad"})
+    d = P.decide_before_start(nodecheck({2: "bad"}), 0, 4, 4)
     assert d.action == Action.STOP_JOB and "needs at least 4" in d.reason
 
 
 def test_nothing_to_do_when_all_nodes_pass():
-    assert P.decide_before_start(0, 4, 4, {}) is None
-    assert P.decide_before_start(0, 4, 4, {}, {3: "slow"}) is None  # stragglers only reported
+    assert P.decide_before_start(nodecheck(), 0, 4, 4) is None
+    assert P.decide_before_start(nodecheck({}, {3: "slow"}), 0, 4, 4) is None  # stragglers only reported
 
 
 def test_straggler_leaves_only_when_asked():
-    d = P.decide_before_start(3, 4, 2, {}, {3: "2.5x"}, exclude_stragglers=True)
+    d = P.decide_before_start(nodecheck({}, {3: "2.5x"}), 3, 4, 2, exclude_stragglers=True)
     assert d.action == Action.EXCLUDE_NODE and d.exit_message == P.STRAGGLER_EXIT_MESSAGE
     assert (
-        P.decide_before_start(0, 4, 2, {}, {3: "2.5x"}, exclude_stragglers=True).action == Action.RERENDEZVOUS
+        P.decide_before_start(nodecheck({}, {3: "2.5x"}), 0, 4, 2, exclude_stragglers=True).action
+        == Action.RERENDEZVOUS
     )
 
 
 def test_undetermined_node_check_stops_everyone():
     for n in range(2):
-        assert P.decide_before_start(n, 2, 1, {}, undetermined="cannot tell").action == Action.STOP_JOB
+        assert P.decide_before_start(nodecheck(undetermined="cannot tell"), n, 2, 1).action == Action.STOP_JOB
 
 
 def test_single_failed_node_stops_its_own_job():
-    d = P.decide_before_start(0, 1, 1, {0: "bad disk"})
+    d = P.decide_before_start(precheck({0: "bad disk"}), 0, 1, 1)
     assert d.action == Action.EXCLUDE_NODE
 
 
@@ -248,10 +262,95 @@ def test_min_nodes_of(spec, current, want):
 
 
 def test_periodic_hardware_fault_isolates_the_node():
-    d = P.decide_on_hardware_fault(["Xid 79 (GPU has fallen off the bus)"], {"node": "a"})
+    fault = HardwareFault(["Xid 79 (GPU has fallen off the bus)"], node="a", node_rank=1)
+    d = P.decide_on_hardware_fault(fault, nnodes=3, min_nodes=2)
     assert d.action == Action.EXCLUDE_NODE and d.exit_message == P.NODE_DOWN_MESSAGE
-    assert d.evidence["faults"] and d.evidence["node"] == "a"
+    assert d.evidence["faults"] and d.evidence["node"] == "a" and d.source == "health_check"
+
+
+def test_periodic_hardware_fault_stops_a_job_that_cannot_go_on_without_the_node():
+    fault = HardwareFault(["Xid 79 (GPU has fallen off the bus)"], node="a", node_rank=0)
+    for nnodes, min_nodes in ((1, 1), (2, 2)):
+        d = P.decide_on_hardware_fault(fault, nnodes, min_nodes)
+        assert d.action == Action.STOP_JOB and "below the minimum" in d.reason and "Xid 79" in d.reason
 
 
 def test_action_values_are_plain_strings():
     assert f"{Action.EXCLUDE_NODE}" == "exclude_node" and Action("restart") is Action.RESTART
+
+
+# ------------------------------------------------------------------ while running: evidence
+
+
+def straggler(rank=1, node="node0"):
+    from trainguard.evidence import StragglerEvidence
+
+    return StragglerEvidence(rank, node, "compute", 2.98, 150.6, 50.6, [0, 1, 2], (1, 15))
+
+
+def test_hang_restarts_with_the_culprit():
+    from trainguard.evidence import HangEvidence
+
+    causes = [{"cause": "process_stopped", "advice": "..."}]
+    d = P.decide_on_hang(HangEvidence(1, "steps", "rank 1 is not in the collective", causes, "/run/hang.txt", 0))
+    assert (d.action, d.rank, d.source) == (Action.RESTART, 1, "hang")
+    assert d.reason == "hang: culprit rank 1: rank 1 is not in the collective"
+    assert d.evidence == {"rule": "steps", "causes": causes, "report": "/run/hang.txt"}
+    nobody = P.decide_on_hang(HangEvidence(None, "io+utilisation", "stacks are symmetric"))
+    assert nobody.action == Action.RESTART and nobody.rank is None and "no single rank" in nobody.reason
+
+
+def test_straggler_is_only_reported_without_exclude_straggler():
+    assert P.decide_on_straggler(straggler(), exclude=False, nnodes=4, min_nodes=1) is None
+
+
+def test_straggler_node_leaves_an_elastic_job_with_exclude_straggler():
+    d = P.decide_on_straggler(straggler(), exclude=True, nnodes=2, min_nodes=1)
+    assert (d.action, d.rank, d.source, d.exit_message) == (
+        Action.EXCLUDE_NODE, 1, "straggler", P.STRAGGLER_EXIT_MESSAGE
+    )  # fmt: skip
+    assert d.reason.startswith("rank 1 on node node0 is a straggler: compute 2.98x slower")
+    assert d.evidence["steps"] == [1, 15] and d.evidence["kind"] == "compute"
+
+
+def test_straggler_is_kept_when_it_is_the_last_node_above_the_minimum():
+    for nnodes, min_nodes in ((2, 2), (1, 1), (3, 3)):
+        d = P.decide_on_straggler(straggler(), exclude=True, nnodes=nnodes, min_nodes=min_nodes)
+        assert d.action == Action.CONTINUE and "kept" in d.reason and d.rank == 1
+        assert (d.evidence["nnodes"], d.evidence["min_nodes"], d.evidence["wanted"]) == (nnodes, min_nodes, "exclude_node")
+
+
+def test_running_evidence_goes_to_its_policy():
+    from trainguard.evidence import HangEvidence
+
+    elastic = P.PolicySettings(nnodes="1:4", exclude_straggler=True)
+    assert P.decide_while_running(HangEvidence(0, "steps", "x"), elastic, 3).action == Action.RESTART
+    assert P.decide_while_running(straggler(), elastic, 3).action == Action.EXCLUDE_NODE
+    assert P.decide_while_running(straggler(), P.PolicySettings(nnodes="1:4"), 3) is None
+    assert P.decide_while_running(straggler(), P.PolicySettings(nnodes="3", exclude_straggler=True), 3).action == (
+        Action.CONTINUE
+    )
+    fault = HardwareFault(["GPU 0: row remapping failed"], "a", 0)
+    assert P.decide_while_running(fault, elastic, 3).action == Action.EXCLUDE_NODE
+    assert P.decide_while_running(fault, P.PolicySettings(nnodes="3"), 3).action == Action.STOP_JOB
+    with pytest.raises(TypeError):
+        P.decide_while_running("a rumour", elastic, 3)  # type: ignore[arg-type]
+
+
+def test_policy_settings_from_the_run_command_line():
+    from trainguard.launch.cli import make_parser
+
+    ns = make_parser().parse_args(["--nnodes", "2:4", "--exclude-straggler", "train.py"])
+    s = P.PolicySettings.from_options(ns)
+    assert (s.nnodes, s.exclude_straggler, s.node_check_exclude_straggler) == ("2:4", True, False)
+    assert s.min_nodes(3) == 2
+    assert P.PolicySettings.from_options(make_parser().parse_args(["train.py"])).min_nodes(3) == 1
+
+
+def test_news_from_other_nodes():
+    from trainguard.evidence import PeerLeft, PeerStop
+
+    stop = P.decide_on_peer_news(PeerStop("user code failed (decided on node1)"))
+    assert (stop.action, stop.source, stop.reason) == (Action.STOP_JOB, "peer", "user code failed (decided on node1)")
+    left = P.decide_on_peer_news(PeerLeft("node2"))
+    assert (left.action, left.reason) == (Action.RERENDEZVOUS, "node node2 left the job")

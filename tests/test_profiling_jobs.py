@@ -14,45 +14,39 @@ import signal
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 from tgtest import EXAMPLE, free_port, wait_for
 
+from trainguard import policy
+from trainguard.detect.straggler import StragglerConfig
 from trainguard.events import EventBus, EventStore
-from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
-from trainguard.launch.profiling import ProfilingMonitor
-from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action
 from trainguard.launch import profile_files as pf
+from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
+from trainguard.launch.profiling import ProfilingMonitor, ProfilingSettings
+from trainguard.launch.straggler import StragglerMonitor
+from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action
 
 pytestmark = pytest.mark.slow
 
 
-def options(**kw):
-    base = dict(
-        profiling="on",
-        profiling_comm="off",
-        profiling_dir_cap_mb=1024.0,
-        exclude_straggler=False,
-        straggler_window=5,
-        straggler_windows=3,
-        straggler_ratio=1.25,
-    )
-    base.update(kw)
-    return Namespace(**base)
-
-
 class Cluster:
-    """N fake nodes x P workers of one job; each node is a ProfilingMonitor with its own context."""
+    """N fake nodes x P workers of one elastic job (--nnodes 1:N); each node is a straggler monitor
+    fed by a profiling monitor, with its own context; the policy decides on their evidence."""
 
-    def __init__(self, run_dir: Path, nnodes: int, nproc: int, script_args: list[str], **opts) -> None:
+    def __init__(self, run_dir: Path, nnodes: int, nproc: int, script_args: list[str], comm: bool = False,
+                 exclude_straggler: bool = False) -> None:
         from torch.distributed import TCPStore
 
         self.run_dir = run_dir
+        self.exclude = exclude_straggler
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nnodes > 1 else None
         self.db = EventStore(run_dir)
-        self.monitors = [ProfilingMonitor(options(**opts), tick_s=0.05) for _ in range(nnodes)]
+        self.stragglers = [StragglerMonitor(StragglerConfig(window_steps=5, windows=3, ratio=1.25)) for _ in range(nnodes)]
+        self.monitors = [
+            ProfilingMonitor(ProfilingSettings(comm=comm), windows=s, tick_s=0.05) for s in self.stragglers
+        ]
         self.procs: list[subprocess.Popen] = []
         self.ctxs: list[MonitorContext] = []
         port = free_port()
@@ -97,14 +91,17 @@ class Cluster:
                 steps=StepTracker(),
                 store=self.store,
             )
+            self.stragglers[n].on_workers_started(ctx)
             mon.on_workers_started(ctx)
             self.ctxs.append(ctx)
         self.decisions = []
 
     def poll(self) -> None:
-        for mon, ctx in zip(self.monitors, self.ctxs, strict=True):
-            d = mon.poll(ctx)
-            if d is not None:
+        for straggler, mon, ctx in zip(self.stragglers, self.monitors, self.ctxs, strict=True):
+            found = straggler.poll(ctx)
+            mon.poll(ctx)
+            d = found and policy.decide_on_straggler(found, self.exclude, ctx.nnodes, min_nodes=1)
+            if d:
                 self.decisions.append((ctx.node, d))
 
     def poll_until(self, cond, timeout=150.0, what="condition"):
@@ -149,7 +146,7 @@ def test_slow_rank_and_node_named_within_20_steps_and_excluded(tmp_path):
         tmp_path,
         nnodes=2,
         nproc=2,
-        profiling_comm="on",
+        comm=True,
         exclude_straggler=True,
         script_args=["--steps", "60", "--step-time-ms", "50", "--slow-rank", "1", "--slow-factor", "1.5"],
     )

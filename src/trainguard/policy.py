@@ -1,8 +1,16 @@
 """The one place that decides what happens to the job: continue, restart, exclude a node, or stop.
 
-Every input (a worker exit, a hang or straggler verdict, a check result, a log diagnosis) comes in
-as data; every output is a ``Decision`` that the agent carries out and records as a
-``policy_decision`` event with its evidence. All functions here are pure.
+Every input is typed evidence (``trainguard.evidence``): a worker failure with its diagnosis and
+hardware check, a hang, a straggler, a periodic hardware fault, the pre-start check outcome, news
+from another node. Every output is a ``Decision`` that the agent carries out (``TrainguardAgent.
+carry_out``) and records as a ``policy_decision`` event with its evidence. All functions here are
+pure. Entry points:
+
+- ``decide_before_start(outcome, ...)``      pre-check / node check outcome (seed scenarios 1-2)
+- ``decide_on_failure(failures, ...)``       workers failed (scenarios 3-4, restarts in budget)
+- ``decide_while_running(evidence, ...)``    ``decide_on_hang``, ``decide_on_straggler``,
+                                              ``decide_on_hardware_fault``
+- ``decide_on_peer_news(news)``              another node stopped the job or left it
 
 The seed's four scenarios (ModelArts fault tolerance):
 
@@ -14,16 +22,33 @@ The seed's four scenarios (ModelArts fault tolerance):
 An isolated node's agent exits; an elastic job (``--nnodes MIN:MAX`` with enough nodes left) goes
 on without it, otherwise the job stops with the reason. Failures that are neither the user's code
 nor a located hardware fault (a worker killed by a signal, a broken connection to a peer, an exit
-without a Python error) are restarted while the ``--max-restarts`` budget lasts.
+without a Python error) are restarted while the ``--max-restarts`` budget lasts. A hang restarts
+the job; a straggler is reported, and its node leaves only with ``--exclude-straggler`` and only
+when the job can go on without it.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
-import signal as _signal
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from trainguard.evidence import (
+    CheckOutcome,
+    Diagnosis,
+    HangEvidence,
+    HardwareFault,
+    HardwareReport,
+    PeerLeft,
+    PeerNews,
+    PeerStop,
+    RankFailure,
+    RunningEvidence,
+    StragglerEvidence,
+)
+from trainguard.exitcodes import signal_name
 
 
 class Action(StrEnum):
@@ -47,6 +72,26 @@ class Decision:
 
 NODE_DOWN_MESSAGE = "The node is down."
 STRAGGLER_EXIT_MESSAGE = "The node is a straggler and exits."
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The user's choices the policy follows (flags of `trainguard run`, parsed once)."""
+
+    nnodes: str = ""  # torchrun's --nnodes: "N" or "MIN:MAX"
+    exclude_straggler: bool = False  # --exclude-straggler: a straggler's node leaves while training
+    node_check_exclude_straggler: bool = False  # --node-check-exclude-straggler: ... before start
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> PolicySettings:
+        return cls(
+            nnodes=str(options.nnodes or ""),
+            exclude_straggler=bool(options.exclude_straggler),
+            node_check_exclude_straggler=bool(options.node_check_exclude_straggler),
+        )
+
+    def min_nodes(self, current: int) -> int:
+        return min_nodes_of(self.nnodes, current)
 
 # --------------------------------------------------------------------------- failure causes
 
@@ -127,27 +172,14 @@ def _error_text(error_file_data: Any) -> tuple[str, str]:
     return str(msg), str(msg)
 
 
-def _signal_name(info: dict[str, Any]) -> str | None:
-    sig = info.get("signal")
-    if sig:
-        return str(sig)
-    code = info.get("exitcode")
-    if isinstance(code, int) and code < 0:  # torch elastic reports a signal death as -signum
-        try:
-            return _signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return None
-
-
-def classify_rank_failure(rank: int | None, info: dict[str, Any]) -> FailureCause:
-    """What ended one worker, from its failure info (exit code, signal, error file, log tail)."""
-    head, text = _error_text(info.get("error_file_data"))
-    tail = "\n".join(str(x) for x in (info.get("log_tail") or [])[-50:])
-    sig = _signal_name(info)
-    if _HARDWARE_TEXT.search(text) or _HARDWARE_TEXT.search(tail):
-        line = (_HARDWARE_TEXT.search(text) or _HARDWARE_TEXT.search(tail)).group(0)  # type: ignore[union-attr]
-        return FailureCause(HARDWARE, rank, f"GPU/driver error in the output ({line})")
+def classify_rank_failure(rank: int | None, f: RankFailure) -> FailureCause:
+    """What ended one worker, from its failure (exit code, signal, error file, log tail)."""
+    head, text = _error_text(f.error_file_data)
+    tail = "\n".join(str(x) for x in f.log_tail[-50:])
+    sig = signal_name(f.exitcode, f.signal)
+    hardware = _HARDWARE_TEXT.search(text) or _HARDWARE_TEXT.search(tail)
+    if hardware:
+        return FailureCause(HARDWARE, rank, f"GPU/driver error in the output ({hardware.group(0)})")
     if head:
         # Only the message itself: a user's traceback may quote code lines that mention "nccl".
         if _COMMUNICATION_TEXT.search(head):
@@ -156,12 +188,12 @@ def classify_rank_failure(rank: int | None, info: dict[str, Any]) -> FailureCaus
     if sig:
         return FailureCause(SIGNAL, rank, f"killed by {sig}")
     # No error file: the log tail may still hold a Python traceback.
-    lines = [ln.split("]: ", 1)[-1] for ln in (info.get("log_tail") or [])]
+    lines = [ln.split("]: ", 1)[-1] for ln in f.log_tail]
     exc = next((ln for ln in reversed(lines) if _EXCEPTION_NAME.match(ln)), None)
     if exc is not None and "Traceback (most recent call last)" in tail:
         kind = COMMUNICATION if _COMMUNICATION_TEXT.search(exc) else USER
         return FailureCause(kind, rank, exc.strip()[:300])
-    return FailureCause(EXIT, rank, f"exit code {info.get('exitcode')}")
+    return FailureCause(EXIT, rank, f"exit code {f.exitcode}")
 
 
 # Which rank's cause explains the failure when ranks differ: a hardware fault first; then the
@@ -170,87 +202,67 @@ def classify_rank_failure(rank: int | None, info: dict[str, Any]) -> FailureCaus
 _PRECEDENCE = [HARDWARE, USER, SIGNAL, COMMUNICATION, EXIT]
 
 
-def classify_failures(
-    failures: dict[int, dict[str, Any]], diagnosis: dict[str, Any] | None = None
-) -> FailureCause:
+def classify_failures(failures: dict[int, RankFailure], diagnosis: Diagnosis | None = None) -> FailureCause:
     """The root cause of a group failure: the diagnosis when it names a known category, else the
     most telling of the per-rank causes."""
-    if diagnosis:
-        kind = DIAGNOSIS_CAUSES.get(str(diagnosis.get("category", "")))
+    if diagnosis is not None:
+        kind = DIAGNOSIS_CAUSES.get(diagnosis.category)
         if kind is not None:
-            summary = diagnosis.get("summary") or diagnosis.get("message") or diagnosis.get("category")
-            first = diagnosis.get("first_failure") or {}
-            rank = diagnosis.get("rank", first.get("rank") if isinstance(first, dict) else None)
-            return FailureCause(kind, rank if isinstance(rank, int) else None, str(summary)[:300])
-    causes = [classify_rank_failure(rank, info or {}) for rank, info in sorted(failures.items())]
+            return FailureCause(kind, diagnosis.rank, (diagnosis.summary or diagnosis.category)[:300])
+    causes = [classify_rank_failure(rank, f) for rank, f in sorted(failures.items())]
     if not causes:
         return FailureCause(EXIT, None, "no failure information")
     return min(causes, key=lambda c: _PRECEDENCE.index(c.kind))
 
 
 def decide_on_failure(
-    failures: dict[int, dict[str, Any]],
+    failures: dict[int, RankFailure],
     remaining_restarts: int,
-    diagnosis: dict[str, Any] | None = None,
-    hardware: dict[str, Any] | None = None,
+    diagnosis: Diagnosis | None = None,
+    hardware: HardwareReport | None = None,
 ) -> Decision:
-    """Workers of this node failed. ``hardware`` is the quick check run after the failure
-    (``{"healthy": bool, "faults": [...]}``, None when none ran)."""
+    """Workers of this node failed. ``diagnosis``: the log diagnosis of the attempt; ``hardware``:
+    the quick check run after the failure (None when none ran)."""
     ranks = sorted(failures)
     cause = classify_failures(failures, diagnosis)
-    hw_faulty = bool(hardware) and hardware.get("healthy") is False  # type: ignore[union-attr]
+    hw_faulty = hardware is not None and not hardware.healthy
     evidence: dict[str, Any] = {
         "failed_ranks": ranks,
         "cause": cause.to_dict(),
-        "diagnosis": diagnosis,
-        "hardware": hardware,
+        "diagnosis": diagnosis.to_dict() if diagnosis is not None else None,
+        "hardware": hardware.summary() if hardware is not None else None,
         "remaining_restarts": remaining_restarts,
     }
     where = f"rank {cause.rank}" if cause.rank is not None else f"ranks {ranks}"
+    source, exit_message = "worker_exit", ""
     if hw_faulty or cause.kind == HARDWARE:
-        faults = list((hardware or {}).get("faults") or []) or [cause.detail]
+        faults = list(hardware.faults if hardware is not None else []) or [cause.detail]
         evidence["scenario"] = 3
-        return Decision(
-            Action.EXCLUDE_NODE,
+        action = Action.EXCLUDE_NODE
+        reason = (
             f"workers failed ({where}) and the hardware check found a fault: {'; '.join(map(str, faults))[:400]}"
-            " -> isolating this node; the job restarts without it",
-            source="hardware_check" if hw_faulty else "worker_exit",
-            rank=cause.rank,
-            evidence=evidence,
-            exit_message=NODE_DOWN_MESSAGE,
+            " -> isolating this node; the job restarts without it"
         )
-    if cause.kind in (USER, ENVIRONMENT):
+        source = "hardware_check" if hw_faulty else source
+        exit_message = NODE_DOWN_MESSAGE
+    elif cause.kind in (USER, ENVIRONMENT):
         evidence["scenario"] = 4
-        hw = "healthy hardware" if hardware else "no hardware fault known"
-        return Decision(
-            Action.STOP_JOB,
-            f"user code failed on {hw} ({where}: {cause.detail}); a retry would fail the same way, no restart",
-            source="worker_exit",
-            rank=cause.rank,
-            evidence=evidence,
-        )
-    if remaining_restarts <= 0:
-        return Decision(
-            Action.STOP_JOB,
-            f"workers failed ({where}: {cause.detail}) and no restarts are left",
-            source="worker_exit",
-            rank=cause.rank,
-            evidence=evidence,
-        )
-    return Decision(
-        Action.RESTART,
-        f"workers failed ({where}: {cause.detail}); restarting, {remaining_restarts} restart(s) left",
-        source="worker_exit",
-        rank=cause.rank,
-        evidence=evidence,
-    )
+        hw = "healthy hardware" if hardware is not None else "no hardware fault known"
+        action = Action.STOP_JOB
+        reason = f"user code failed on {hw} ({where}: {cause.detail}); a retry would fail the same way, no restart"
+    elif remaining_restarts <= 0:
+        action = Action.STOP_JOB
+        reason = f"workers failed ({where}: {cause.detail}) and no restarts are left"
+    else:
+        action = Action.RESTART
+        reason = f"workers failed ({where}: {cause.detail}); restarting, {remaining_restarts} restart(s) left"
+    return Decision(action, reason, source=source, rank=cause.rank, evidence=evidence, exit_message=exit_message)
 
 
-def on_worker_failure(
-    failures: dict[int, dict[str, Any]], remaining_restarts: int, diagnosis: dict[str, Any] | None = None
-) -> Decision:
-    """Kept for callers of the first interface: ``decide_on_failure`` without a hardware check."""
-    return decide_on_failure(failures, remaining_restarts, diagnosis, None)
+def decide_without_policy(error: Exception) -> Decision:
+    """Deciding failed (a bug here): restart, what torch elastic itself would do, rather than let
+    the policy take the job down with it."""
+    return Decision(Action.RESTART, f"policy error ({error}); default restart", source="agent")
 
 
 # ------------------------------------------------------------------ before start (scenarios 1-2)
@@ -266,22 +278,11 @@ def min_nodes_of(nnodes_spec: Any, current: int) -> int:
 
 
 def decide_before_start(
-    node_rank: int,
-    nnodes: int,
-    min_nodes: int,
-    faulty: dict[int, str],
-    stragglers: dict[int, str] | None = None,
-    exclude_stragglers: bool = False,
-    undetermined: str = "",
-    evidence: dict[str, Any] | None = None,
-    names: dict[int, str] | None = None,
+    outcome: CheckOutcome, node_rank: int, nnodes: int, min_nodes: int, exclude_stragglers: bool = False
 ) -> Decision | None:
-    """The agreed verdict of the pre-checks / node check (same inputs on every node) -> this node's
-    action. ``faulty``: node rank -> reason (pre-check failed or node check failed in every round).
-    ``undetermined``: the check failed but could not tell which node (too few nodes)."""
-    evidence = dict(evidence or {})
-    stragglers = stragglers or {}
-    names = names or {}
+    """The agreed outcome of a pre-start stage (the same on every node) -> this node's action.
+    None: nothing to do, workers start."""
+    faulty, stragglers, names = outcome.faulty, outcome.stragglers, outcome.names
 
     def label(n: int) -> str:
         return f"node {n} ({names[n]})" if n in names else f"node {n}"
@@ -289,14 +290,19 @@ def decide_before_start(
     leaving = dict(faulty)
     if exclude_stragglers:
         leaving.update({r: why for r, why in stragglers.items() if r not in leaving})
+    evidence: dict[str, Any] = {"stage": outcome.stage}
+    if outcome.stage == "precheck":
+        evidence["scenario"] = (1 if node_rank in outcome.hardware_faulty else 2) if node_rank in faulty else None
+    evidence.update(outcome.details)
     evidence.update({"faulty": faulty, "stragglers": stragglers, "nnodes": nnodes, "min_nodes": min_nodes})
-    if undetermined:
-        return Decision(Action.STOP_JOB, undetermined, source="node_check", evidence=evidence)
+    source = outcome.stage
+    if outcome.undetermined:
+        return Decision(Action.STOP_JOB, outcome.undetermined, source=source, evidence=evidence)
     if node_rank in faulty:
         return Decision(
             Action.EXCLUDE_NODE,
             f"{label(node_rank)} failed its checks: {faulty[node_rank]}",
-            source="precheck" if evidence.get("stage") == "precheck" else "node_check",
+            source=source,
             evidence=evidence,
             exit_message=NODE_DOWN_MESSAGE,
         )
@@ -304,7 +310,7 @@ def decide_before_start(
         return Decision(
             Action.EXCLUDE_NODE,
             f"{label(node_rank)} is a straggler: {leaving[node_rank]}",
-            source="node_check",
+            source=source,
             evidence=evidence,
             exit_message=STRAGGLER_EXIT_MESSAGE,
         )
@@ -317,35 +323,74 @@ def decide_before_start(
             Action.STOP_JOB,
             f"{who} excluded; {left} node(s) left but the job needs at least {min_nodes} "
             "(make it elastic with --nnodes MIN:MAX to go on without them)",
-            source=str(evidence.get("stage", "node_check")),
+            source=source,
             evidence=evidence,
         )
+    return Decision(Action.RERENDEZVOUS, f"{who} excluded; continuing on {left} node(s)", source=source, evidence=evidence)
+
+
+# ------------------------------------------------------------------------- while running
+
+
+def decide_on_hang(hang: HangEvidence) -> Decision:
+    """A confirmed hang (the stacks ruled out a checkpoint save, an evaluation, a slow step):
+    restart the job (torch elastic then uses the restart budget)."""
+    who = f"rank {hang.rank}" if hang.rank is not None else "no single rank"
     return Decision(
-        Action.RERENDEZVOUS,
-        f"{who} excluded; continuing on {left} node(s)",
-        source=str(evidence.get("stage", "node_check")),
-        evidence=evidence,
+        Action.RESTART,
+        f"hang: culprit {who}: {hang.reason}",
+        source="hang",
+        rank=hang.rank,
+        evidence={"rule": hang.rule, "causes": hang.causes, "report": hang.report},
     )
 
 
-def decide_on_hardware_fault(faults: list[str], evidence: dict[str, Any] | None = None) -> Decision:
-    """The periodic hardware check found a fault while training: isolate the node (the job
-    restarts without it where it is elastic)."""
-    return Decision(
+def decide_on_straggler(
+    straggler: StragglerEvidence, exclude: bool, nnodes: int, min_nodes: int
+) -> Decision | None:
+    """A rank of this node is a straggler. Reported only (None) unless ``--exclude-straggler``;
+    then its node leaves, if the job can go on without it (else it is kept: slow beats stopped)."""
+    if not exclude:
+        return None
+    wanted = Decision(
         Action.EXCLUDE_NODE,
-        "periodic hardware check found a fault: " + "; ".join(faults)[:400],
+        straggler.message,
+        source="straggler",
+        rank=straggler.rank,
+        evidence=straggler.to_dict(),
+        exit_message=STRAGGLER_EXIT_MESSAGE,
+    )
+    return confirm_exclusion(wanted, nnodes, min_nodes)
+
+
+def decide_on_hardware_fault(fault: HardwareFault, nnodes: int, min_nodes: int) -> Decision:
+    """The periodic hardware check found a fault while training: isolate the node (the job
+    restarts without it where it is elastic; otherwise it stops with the reason)."""
+    wanted = Decision(
+        Action.EXCLUDE_NODE,
+        "periodic hardware check found a fault: " + "; ".join(fault.faults)[:400],
         source="health_check",
-        evidence={"faults": faults, **(evidence or {})},
+        evidence={"faults": list(fault.faults), "node": fault.node, "node_rank": fault.node_rank},
         exit_message=NODE_DOWN_MESSAGE,
     )
+    return confirm_exclusion(wanted, nnodes, min_nodes)
+
+
+def decide_while_running(evidence: RunningEvidence, settings: PolicySettings, nnodes: int) -> Decision | None:
+    """A monitor's evidence while workers run -> the decision (None: nothing to do)."""
+    if isinstance(evidence, HangEvidence):
+        return decide_on_hang(evidence)
+    if isinstance(evidence, StragglerEvidence):
+        return decide_on_straggler(evidence, settings.exclude_straggler, nnodes, settings.min_nodes(nnodes))
+    if isinstance(evidence, HardwareFault):
+        return decide_on_hardware_fault(evidence, nnodes, settings.min_nodes(nnodes))
+    raise TypeError(f"no policy for evidence of type {type(evidence).__name__}")
 
 
 def confirm_exclusion(decision: Decision, nnodes_now: int, min_nodes: int) -> Decision:
-    """A detector asks to exclude this node while the job runs (a straggler, a hardware fault).
-
-    Leaving is only worth it when the job can go on without this node: with fewer than ``--nnodes``
-    MIN nodes left it would end the job. A straggler then stays (slow beats stopped) and is only
-    reported; a hardware fault stops the job with the reason."""
+    """Leaving is only worth it when the job can go on without this node: with fewer than
+    ``--nnodes`` MIN nodes left it would end the job. A straggler then stays (slow beats stopped)
+    and is only reported; a hardware fault stops the job with the reason."""
     if decision.action != Action.EXCLUDE_NODE or nnodes_now - 1 >= min_nodes:
         return decision
     left = f"excluding this node would leave {nnodes_now - 1} node(s), below the minimum {min_nodes}"
@@ -353,3 +398,16 @@ def confirm_exclusion(decision: Decision, nnodes_now: int, min_nodes: int) -> De
     if decision.exit_message == STRAGGLER_EXIT_MESSAGE:
         return Decision(Action.CONTINUE, f"{decision.reason}; kept: {left}", decision.source, decision.rank, evidence)
     return Decision(Action.STOP_JOB, f"{decision.reason}; {left}", decision.source, decision.rank, evidence)
+
+
+# ------------------------------------------------------------------------------ other nodes
+
+
+def decide_on_peer_news(news: PeerNews) -> Decision:
+    """Another node's policy stopped the job: stop here too. Another node left: go on without it
+    (a new rendezvous round, which does not use the restart budget)."""
+    if isinstance(news, PeerStop):
+        return Decision(Action.STOP_JOB, news.reason, source="peer")
+    if isinstance(news, PeerLeft):
+        return Decision(Action.RERENDEZVOUS, f"node {news.node} left the job", source="peer")
+    raise TypeError(f"no policy for news of type {type(news).__name__}")

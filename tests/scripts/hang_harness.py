@@ -2,8 +2,8 @@
 
 Starts ``hang_worker.py`` ranks with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (a fresh TCPStore
 per attempt, as torch elastic's agent does), builds a MonitorContext with their pids, calls
-``on_workers_started``, ``poll`` until a Decision or until the workers exit, then
-``on_workers_stopped``. It plays the profiling monitor's part by feeding the workers' `step=` lines
+``on_workers_started``, ``poll`` until it hands over hang evidence (which the policy turns into a
+Decision, as the agent does) or until the workers exit, then ``on_workers_stopped``. It plays the profiling monitor's part by feeding the workers' `step=` lines
 into ``ctx.steps`` (unless told not to). Every process is killed by process group at the end.
 """
 
@@ -24,7 +24,7 @@ from trainguard.events.model import Event
 from trainguard.events.store import EventStore
 from trainguard.launch.hang import HangMonitor
 from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
-from trainguard.policy import Action, Decision
+from trainguard.policy import Action, Decision, decide_on_hang
 
 WORKER = Path(__file__).with_name("hang_worker.py")
 STEP_RE = re.compile(r"^step=(\d+) rank=(\d+) t=([\d.]+)")
@@ -134,9 +134,9 @@ def run_attempt(
         decision, decided_at = None, None
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
-            decision = monitor.poll(ctx)
-            if decision is not None:
-                decided_at = time.time()
+            found = monitor.poll(ctx)
+            if found is not None:
+                decision, decided_at = decide_on_hang(found), time.time()
                 break
             if all(p.poll() is not None for p in procs):
                 break

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainguard.checks import kernel_log
+from trainguard.evidence import HardwareReport
 from trainguard.probes import nvml
 
 OK, FAILED, WARNING, SKIPPED = "ok", "failed", "warning", "skipped"
@@ -252,24 +253,7 @@ def check_ulimit(cfg: CheckConfig) -> ItemResult:
 
 def visible_gpu_indices(all_health: list[nvml.GpuHealth], env: Mapping[str, str]) -> list[int]:
     """NVML indices of the GPUs that CUDA_VISIBLE_DEVICES lets the job see."""
-    spec = env.get("CUDA_VISIBLE_DEVICES")
-    indices = [h.index for h in all_health]
-    if spec is None:
-        return indices
-    out: list[int] = []
-    for token in (t.strip() for t in spec.split(",")):
-        if not token:
-            break
-        if token.isdigit():
-            if int(token) not in indices:
-                break  # CUDA stops at the first invalid entry
-            out.append(int(token))
-        else:
-            match = [h.index for h in all_health if h.uuid and (h.uuid == token or h.uuid.startswith(token))]
-            if not match:
-                break
-            out.append(match[0])
-    return out
+    return nvml.visible_indices(env.get("CUDA_VISIBLE_DEVICES"), [h.id() for h in all_health])
 
 
 def check_gpu(cfg: CheckConfig, env: Mapping[str, str]) -> ItemResult:
@@ -562,16 +546,6 @@ def run_checks(cfg: CheckConfig, env: Mapping[str, str] | None = None) -> list[I
 
 def passed(results: list[ItemResult]) -> bool:
     return not any(r.failed for r in results)
-
-
-@dataclass
-class HardwareReport:
-    healthy: bool
-    faults: list[str]
-    items: list[ItemResult]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"healthy": self.healthy, "faults": self.faults, "items": [r.to_dict() for r in self.items]}
 
 
 def hardware_check(cfg: CheckConfig, env: Mapping[str, str] | None = None) -> HardwareReport:

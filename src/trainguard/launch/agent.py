@@ -3,19 +3,21 @@
 What it changes, each through the agent's documented extension points:
 - ``_rendezvous``: a fresh TCPStore for the workers of every round. torch's agent reuses one store
   across restarts, so restarted gloo ranks read the dead ranks' old addresses (pytorch#135712).
+- ``_initialize_workers``: before workers start, the monitors' pre-start outcome goes to the policy.
 - ``_start_workers``: workers come from pre-started processes with torch already imported, and
   their output is logged per rank with timestamps.
-- ``_monitor_workers``: monitors (hang, straggler, checks...) are polled; worker failures go through
-  the policy module, which may restart, exclude this node, or stop the job at once.
+- ``_monitor_workers``: monitors' evidence (hang, straggler, hardware) and worker failures go to
+  the policy (``trainguard.policy``); ``carry_out`` does what it decided: continue, restart,
+  exclude this node, or stop the job everywhere.
+
+Failure collection and ordering live in launch/failures.py, messages to the other agents in
+launch/peers.py, private torch internals in trainguard/torch_compat.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +26,19 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.utils import macros
 
-from trainguard import policy
+from trainguard import policy, torch_compat
 from trainguard.events import EventBus, Severity
-from trainguard.launch.logs import tail
-from trainguard.launch.monitor import Monitor, MonitorContext, StepTracker, WorkerInfo
+from trainguard.evidence import RankFailure
+from trainguard.launch import failures
+from trainguard.launch.monitor import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.launch.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
+from trainguard.launch.peers import Peers
 from trainguard.launch.pool import WorkerPool
-from trainguard.policy import Action, Decision
+from trainguard.policy import Action, Decision, PolicySettings
 
 log = logging.getLogger(__name__)
 
-# What a rank prints when it fails only because a peer died first (gloo, NCCL, c10d store).
-PEER_LOSS = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
-    r"|communicator was aborted|NCCL communicator.*abort|Socket Timeout|failed to recv, got 0 bytes",
-    re.IGNORECASE,
-)
-
 WORKER_STORE_KEY = "trainguard/worker_store"
-LEAVING_KEY = "trainguard/leaving"
-STOP_KEY = "trainguard/stop"
 
 
 class NodeExcluded(Exception):
@@ -62,13 +57,7 @@ class JobStopped(Exception):
         self.decision = decision
 
 
-def _signal_name(exitcode: int) -> str | None:
-    if exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
+_SEVERITY = {Action.CONTINUE: Severity.INFO, Action.RERENDEZVOUS: Severity.INFO, Action.RESTART: Severity.WARNING}
 
 
 class TrainguardAgent(LocalElasticAgent):
@@ -81,29 +70,76 @@ class TrainguardAgent(LocalElasticAgent):
         monitors: list[Monitor],
         pool: WorkerPool,
         target: Target,
-        options: Any,
+        policy_settings: PolicySettings,
+        rdzv_backend: str = "",
         tee_ranks: set[int] | None = None,
         exit_barrier_timeout: float = 300,
         stop_timeout: int = 15,
     ) -> None:
-        super().__init__(spec, RunDirLogsSpecs(run_dir), exit_barrier_timeout=exit_barrier_timeout)
+        self.logs = RunDirLogsSpecs(run_dir)
+        super().__init__(spec, self.logs, exit_barrier_timeout=exit_barrier_timeout)
         self.run_dir = run_dir
         self.bus = bus
-        self.monitors = monitors
+        self.monitors = MonitorSet(monitors, bus)
         self.pool = pool
         self.target = target
-        self.options = options
+        self.policy_settings = policy_settings
+        self.rdzv_backend = rdzv_backend
         self.tee_ranks = tee_ranks
         self.stop_timeout = stop_timeout
+        self.peers = Peers(bus.node)
         self.steps = StepTracker()
         self.attempt = -1  # every (re)start, membership changes included
         self.ctx: MonitorContext | None = None
+        self.procs: TrainguardPContext | None = None
         self.restart_reason = "worker failure"
-        self.final_failures: dict[int, dict[str, Any]] = {}
+        self.final_failures: dict[int, RankFailure] = {}
         self.stop_decision: Decision | None = None
         self._worker_store: TCPStore | None = None
-        self._monitor_errors: set[tuple[str, str]] = set()
-        self._last_leave_check = 0.0
+
+    # ---- carrying out decisions ---------------------------------------------------------------
+    def carry_out(self, d: Decision, *, before_start: bool = False, made_here: bool = True) -> None:
+        """Do what the policy decided, after recording it (``policy_decision``) when this node
+        decided it (a peer's decision was recorded where it was made).
+
+        CONTINUE: nothing. RESTART: the caller reports the group failed and torch elastic restarts
+        it (using the budget). RERENDEZVOUS: before start, the caller rendezvouses again; while
+        running (a peer left), the restart that follows does not use the budget. EXCLUDE_NODE: tell
+        the other agents, leave the rendezvous, raise NodeExcluded. STOP_JOB: before start, raise
+        JobStopped; while running, no restarts are left, and the other agents are told to stop."""
+        if made_here:
+            self.record(d)
+        if d.action == Action.CONTINUE:
+            return
+        if d.action == Action.EXCLUDE_NODE:
+            # Tell the others first: their workers fail as soon as ours are stopped, and that
+            # failure must read as a membership change, not spend their restart budget.
+            wg = self.get_worker_group()
+            self.peers.announce_leaving(wg.store)
+            self.peers.leave_rendezvous(wg.spec.rdzv_handler)
+            raise NodeExcluded(d)
+        if before_start:
+            if d.action == Action.STOP_JOB:
+                raise JobStopped(d)
+            return
+        self.restart_reason = d.reason
+        if d.action == Action.STOP_JOB:
+            self.stop_decision = d
+            torch_compat.set_remaining_restarts(self, 0)
+            if made_here:
+                wg = self.get_worker_group()
+                self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, d.reason)
+        elif d.action == Action.RERENDEZVOUS:  # a membership change does not use the restart budget
+            torch_compat.set_remaining_restarts(self, torch_compat.remaining_restarts(self) + 1)
+
+    def record(self, d: Decision) -> None:
+        self.bus.emit(
+            "policy_decision",
+            f"{d.action.value}: {d.reason}",
+            severity=_SEVERITY.get(d.action, Severity.ERROR),
+            rank=d.rank,
+            evidence={"action": d.action.value, "reason": d.reason, "source": d.source, **d.evidence},
+        )
 
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -130,13 +166,9 @@ class TrainguardAgent(LocalElasticAgent):
             decision = self._before_start(worker_group)
             if decision is None:
                 break
-            self._record_decision(decision)
-            if decision.action == Action.RERENDEZVOUS:
-                continue
-            if decision.action == Action.EXCLUDE_NODE:
-                self._leave(decision)
-            if decision.action == Action.STOP_JOB:
-                raise JobStopped(decision)
+            self.carry_out(decision, before_start=True)
+            if decision.action != Action.RERENDEZVOUS:
+                break
         worker_ids = self._start_workers(worker_group)
         for local_rank, w_id in worker_ids.items():
             worker_group.workers[local_rank].id = w_id
@@ -156,14 +188,22 @@ class TrainguardAgent(LocalElasticAgent):
             events=self.bus,
             steps=self.steps,
             store=wg.store,
-            options=self.options,
+            rdzv_backend=self.rdzv_backend,
         )
 
     def _before_start(self, wg: WorkerGroup) -> Decision | None:
+        """The first pre-start outcome the policy acts on (None: start the workers)."""
         self.attempt += 1
         ctx = self._context(wg, [])
-        for m in self.monitors:
-            decision = self._call(m, "on_before_start", ctx)
+        nnodes = wg.group_world_size or 1
+        for outcome in self.monitors.each("on_before_start", ctx):
+            decision = policy.decide_before_start(
+                outcome,
+                ctx.node_rank,
+                nnodes,
+                self.policy_settings.min_nodes(nnodes),
+                exclude_stragglers=self.policy_settings.node_check_exclude_straggler,
+            )
             if decision is not None:
                 return decision
         return None
@@ -190,31 +230,31 @@ class TrainguardAgent(LocalElasticAgent):
             "TRAINGUARD_RESTART_COUNT": str(self.attempt),
             "TRAINGUARD_NODE": self.bus.node,
         }
-        self._set_local_rank_env(env, worker.local_rank, spec)
+        torch_compat.set_local_rank_env(self, env, worker.local_rank, spec)
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-        for m in self.monitors:
-            env.update(self._call(m, "worker_env", self.run_dir) or {})
+        env.update(self.monitors.worker_env(self.run_dir))
         return env
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         spec = worker_group.spec
-        restart_count = spec.max_restarts - self._remaining_restarts
+        restart_count = spec.max_restarts - torch_compat.remaining_restarts(self)
         envs, args = {}, {}
         for worker in worker_group.workers:
             envs[worker.local_rank] = self._worker_env(worker_group, worker, restart_count)
             args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
-        self._pcontext = TrainguardPContext(
+        self.procs = TrainguardPContext(
             name=spec.role,
             target=self.target,
             args=args,
             envs=envs,
-            logs_specs=self._logs_specs,  # type: ignore[arg-type]
+            logs_specs=self.logs,
             pool=self.pool,
             tee_ranks=self.tee_ranks,
         )
-        self._pcontext.start()
-        pids = self._pcontext.pids()
+        torch_compat.set_process_context(self, self.procs)  # torch's monitor and shutdown use it
+        self.procs.start()
+        pids = self.procs.pids()
         workers = [WorkerInfo(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers]
         self.ctx = self._context(worker_group, workers)
         self.steps.clear()
@@ -232,18 +272,16 @@ class TrainguardAgent(LocalElasticAgent):
                 "logs": str(self.run_dir / "logs" / f"attempt-{self.attempt}"),
             },
         )
-        for m in self.monitors:
-            self._call(m, "on_workers_started", self.ctx)
+        self.monitors.notify("on_workers_started", self.ctx)
         return pids
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         if self.ctx is not None:
-            for m in self.monitors:
-                self._call(m, "on_workers_stopped", self.ctx)
+            self.monitors.notify("on_workers_stopped", self.ctx)
         self._shutdown(timeout=self.stop_timeout)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        restart_count = worker_group.spec.max_restarts - self._remaining_restarts
+        restart_count = worker_group.spec.max_restarts - torch_compat.remaining_restarts(self)
         membership = worker_group.state == WorkerState.HEALTHY  # elastic restarts healthy groups for new rounds
         reason = "another node restarted or joined: new rendezvous round" if membership else self.restart_reason
         what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
@@ -270,206 +308,51 @@ class TrainguardAgent(LocalElasticAgent):
             return self._on_failure(worker_group, result)
         return result
 
+    def _follow_peers(self, wg: WorkerGroup, force: bool = False) -> Decision | None:
+        """Another agent stopped the job or left it: carry out what that means here."""
+        news = self.peers.news(wg.store, wg.group_world_size or 1, force=force)
+        if news is None:
+            return None
+        decision = policy.decide_on_peer_news(news)
+        self.carry_out(decision, made_here=False)
+        return decision
+
     def _poll_monitors(self, wg: WorkerGroup, result: RunResult) -> RunResult:
         if self.ctx is None:
             return result
-        peer = self._peer_news(wg)
+        peer = self._follow_peers(wg)
         if peer is not None:
-            return peer
-        for m in self.monitors:
-            decision = self._call(m, "poll", self.ctx)
-            if decision is None or decision.action == Action.CONTINUE:
+            return RunResult(state=WorkerState.UNHEALTHY if peer.action == Action.RERENDEZVOUS else WorkerState.FAILED)
+        nnodes = wg.group_world_size or 1
+        for evidence in self.monitors.each("poll", self.ctx):
+            decision = policy.decide_while_running(evidence, self.policy_settings, nnodes)
+            if decision is None:
                 continue
-            if decision.action == Action.EXCLUDE_NODE:
-                min_nodes = policy.min_nodes_of(getattr(self.options, "nnodes", None), wg.group_world_size or 1)
-                decision = policy.confirm_exclusion(decision, wg.group_world_size or 1, min_nodes)
-            self._record_decision(decision)
-            if decision.action == Action.CONTINUE:
-                continue
-            if decision.action == Action.EXCLUDE_NODE:
-                self._leave(decision)
-            if decision.action == Action.STOP_JOB:
-                self._stop_everywhere(decision)
-            self.restart_reason = decision.reason
-            return RunResult(state=WorkerState.FAILED)
-        return result
-
-    def _peer_news(self, wg: WorkerGroup, force: bool = False) -> RunResult | None:
-        """Another agent stopped the job or left it: act on it (checked about once a second)."""
-        now = time.monotonic()
-        if wg.store is None or (wg.group_world_size or 1) == 1:
-            return None
-        if not force and now - self._last_leave_check < 1.0:
-            return None
-        self._last_leave_check = now
-        try:
-            if wg.store.check([STOP_KEY]):
-                reason = wg.store.get(STOP_KEY).decode(errors="replace")
-                self.stop_decision = Decision(Action.STOP_JOB, reason, source="peer")
-                self._remaining_restarts = 0
+            self.carry_out(decision)
+            if decision.action != Action.CONTINUE:
                 return RunResult(state=WorkerState.FAILED)
-            if wg.store.check([LEAVING_KEY]):
-                self.restart_reason = f"node {wg.store.get(LEAVING_KEY).decode(errors='replace')} left the job"
-                self._remaining_restarts += 1  # a membership change does not use the restart budget
-                return RunResult(state=WorkerState.UNHEALTHY)
-        except Exception:  # the store host may be gone; elastic's own failure handling takes over
-            return None
-        return None
-
-    def _stop_everywhere(self, decision: Decision) -> None:
-        """The policy stopped the job: stop here, and tell the other agents so they stop too."""
-        self.stop_decision = decision
-        self._remaining_restarts = 0
-        store = self._worker_group.store
-        if store is not None and (self._worker_group.group_world_size or 1) > 1:
-            try:
-                store.set(STOP_KEY, f"{decision.reason} (decided on {self.bus.node})")
-            except Exception as exc:
-                log.warning("could not tell the other agents to stop: %s", exc)
-
-    def _leave(self, decision: Decision) -> None:
-        # Tell the others first: their workers fail as soon as ours are stopped, and that
-        # failure must read as a membership change, not spend their restart budget.
-        self.announce_leaving()
-        self._leave_rendezvous()
-        raise NodeExcluded(decision)
-
-    def _leave_rendezvous(self) -> None:
-        """Leave the c10d rendezvous without closing it for the others: stop this node's heartbeat
-        and drop it from the participants (what ``next_rendezvous`` does first), so the next round
-        forms without waiting for it. torch has no public "leave" call; without these internals the
-        others only drop this node once its heartbeat times out."""
-        handler = self._worker_group.spec.rdzv_handler
-        stop = getattr(handler, "_stop_heartbeats", None)
-        run = getattr(getattr(handler, "_op_executor", None), "run", None)
-        if stop is None or run is None:
-            return
-        try:
-            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-            stop()
-            run(_RendezvousExitOp(), time.monotonic() + 30)
-        except Exception as exc:
-            log.warning("could not leave the rendezvous cleanly: %s", exc)
-
-    def announce_leaving(self) -> None:
-        """Tell the other agents this node leaves, so they re-form without using a restart."""
-        store = self._worker_group.store
-        if store is None:
-            return
-        try:
-            store.set(LEAVING_KEY, self.bus.node)
-        except Exception as exc:
-            log.warning("could not announce leaving: %s", exc)
-
-    def _failure_info(self, wg: WorkerGroup, result: RunResult) -> dict[int, dict[str, Any]]:
-        infos = {}
-        logs = self._pcontext.rank_logs if isinstance(self._pcontext, TrainguardPContext) else {}
-        primary = getattr(self._pcontext, "primary_failures", None)
-        exit_times = getattr(self._pcontext, "exit_times", {})
-        for rank, failure in result.failures.items():
-            data = failure.error_file_data if isinstance(failure.error_file_data, dict) else None
-            if not failure.error_file or not os.path.exists(failure.error_file):
-                data = None  # torch fills in a placeholder ({"message": "<NONE>"}) when there is no file
-            infos[rank] = {
-                "local_rank": failure.local_rank,
-                "pid": failure.pid,
-                "exitcode": failure.exitcode,
-                "signal": _signal_name(failure.exitcode),
-                "error_file_data": data or None,
-                "message": failure.message if data else None,
-                "timestamp": failure.timestamp,
-                "exit_time": exit_times.get(failure.local_rank),
-                "log_tail": tail(logs.get(rank)),
-                # stopped by the agent after another rank failed: a consequence, not a cause
-                "collateral": primary is not None and failure.local_rank not in primary,
-            }
-        return infos
-
-    @staticmethod
-    def _cascade(info: dict[str, Any]) -> bool:
-        """A failure that only reports losing a peer (which failed before it)."""
-        text = "\n".join([str(info.get("message") or ""), *info.get("log_tail", [])[-15:]])
-        return bool(PEER_LOSS.search(text))
+        return result
 
     def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
-        everything = self._failure_info(wg, result)
-        failures = {r: i for r, i in everything.items() if not i["collateral"]} or everything
-        order = sorted(failures, key=lambda r: failures[r]["exit_time"] or failures[r]["timestamp"])
-        # After the first failure, ranks that died of losing their peer are its consequence.
-        order = order[:1] + [r for r in order[1:] if not self._cascade(failures[r])]
-        failures = {r: {**failures[r], "first_failure": i == 0} for i, r in enumerate(order)}  # first one first
-        stopped = sorted(set(everything) - set(failures))
-        # Even our first failure only lost its peer: the real failure is on another node.
-        remote = bool(order) and self._cascade(failures[order[0]])
-        for rank, info in failures.items():
-            how = f"signal {info['signal']}" if info["signal"] else f"exit code {info['exitcode']}"
-            tail = f"; stopped ranks {stopped}" if stopped else ""
-            self.bus.emit(
-                "worker_lost_peer" if remote else "worker_failed",
-                f"rank {rank} (pid {info['pid']}) exited with {how} after losing a peer on another node{tail}"
-                if remote
-                else f"rank {rank} (pid {info['pid']}) failed with {how}{tail}",
-                severity=Severity.WARNING if remote else Severity.ERROR,
-                rank=rank,
-                evidence={**info, "attempt": self.attempt, "stopped_ranks": stopped},
-            )
-        self.final_failures = failures
-        if self._peer_news(wg, force=True) is not None:
+        fs = failures.order(failures.collect(result, self.procs))
+        failures.report(self.bus, fs, self.attempt)
+        self.final_failures = fs.failures
+        if self._follow_peers(wg, force=True) is not None:
             return result
-        if self.ctx is not None:
-            self.ctx.extra.clear()
-            for m in self.monitors:
-                self._call(m, "on_workers_failed", self.ctx, failures)
-        extra = self.ctx.extra if self.ctx is not None else {}
-        decision = self._decide(failures, extra)
-        self._record_decision(decision)
-        if decision.action == Action.EXCLUDE_NODE:
-            self._leave(decision)
-        if decision.action == Action.STOP_JOB:
-            self._stop_everywhere(decision)
-        self.restart_reason = decision.reason
+        found = self.monitors.on_workers_failed(self.ctx, fs.failures) if self.ctx is not None else None
+        try:
+            decision = policy.decide_on_failure(
+                fs.failures,
+                torch_compat.remaining_restarts(self),
+                found.diagnosis if found else None,
+                found.hardware if found else None,
+            )
+        except Exception as exc:  # the policy failing must not take the job with it
+            log.exception("policy failed")
+            decision = policy.decide_without_policy(exc)
+        self.carry_out(decision)
         return result
 
-    def _decide(self, failures: dict[int, dict[str, Any]], extra: dict[str, Any]) -> Decision:
-        decide = getattr(policy, "decide_on_failure", None)
-        try:
-            if decide is not None:
-                return decide(failures, self._remaining_restarts, extra.get("diagnosis"), extra.get("hardware"))
-            return policy.on_worker_failure(failures, self._remaining_restarts, extra.get("diagnosis"))
-        except Exception as exc:  # the policy failing must not take the job with it: default to restart
-            log.exception("policy failed")
-            return Decision(Action.RESTART, f"policy error ({exc}); default restart", source="agent")
-
-    def _record_decision(self, d: Decision) -> None:
-        sev = {Action.CONTINUE: Severity.INFO, Action.RERENDEZVOUS: Severity.INFO, Action.RESTART: Severity.WARNING}.get(
-            d.action, Severity.ERROR
-        )
-        self.bus.emit(
-            "policy_decision",
-            f"{d.action.value}: {d.reason}",
-            severity=sev,
-            rank=d.rank,
-            evidence={"action": d.action.value, "reason": d.reason, "source": d.source, **d.evidence},
-        )
-
-    def _call(self, monitor: Monitor, hook: str, *args: Any) -> Any:
-        try:
-            return getattr(monitor, hook)(*args)
-        except Exception as exc:  # a monitor can never kill the job
-            key = (monitor.name, hook)
-            if key not in self._monitor_errors:
-                self._monitor_errors.add(key)
-                log.exception("monitor %s.%s failed", monitor.name, hook)
-                self.bus.emit(
-                    "monitor_error",
-                    f"monitor {monitor.name} failed in {hook}: {exc!r}",
-                    severity=Severity.WARNING,
-                    evidence={"monitor": monitor.name, "hook": hook, "error": repr(exc)},
-                )
-            return None
-
     def close(self) -> None:
-        for m in self.monitors:
-            self._call(m, "close")
+        self.monitors.notify("close")
         self._worker_store = None

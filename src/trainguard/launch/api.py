@@ -14,24 +14,23 @@ import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
-from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.elastic.utils import macros
-from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_use_env, parse_min_max_nnodes
 
 from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
+from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from trainguard.launch import keeper, plugins
 from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
+from trainguard.policy import PolicySettings
 
 log = logging.getLogger("trainguard")
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_EXCLUDED = 0, 1, 2, 4
 
 
 class UsageError(Exception):
@@ -99,11 +98,30 @@ def _standalone(args: argparse.Namespace) -> None:
         args.master_port = 29500
 
 
+def _raise_signal(signum: int, frame: object) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
 def _install_signal_handlers() -> None:
     # From the first moment (rendezvous included) a SIGTERM/SIGINT becomes an exception that
-    # unwinds through our cleanup, instead of killing the agent and orphaning its workers.
+    # unwinds through our cleanup, instead of killing the agent and orphaning its workers. torch
+    # elastic's agent catches the same SignalException to stop its workers.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, _terminate_process_handler)
+        signal.signal(sig, _raise_signal)
+
+
+def _static_master(params: RendezvousParameters) -> tuple[str | None, int | None]:
+    """MASTER_ADDR/PORT of a static rendezvous (the endpoint); other backends choose their own."""
+    if params.backend != "static":
+        return None, None
+    endpoint = (params.endpoint or "").strip()
+    if not endpoint:
+        raise ValueError("the static rendezvous needs an endpoint: add --master-addr and --master-port")
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    if port == -1:
+        raise ValueError(f"port is missing in endpoint {endpoint}: add --master-port")
+    return host, port
 
 
 def _keep_rendezvous_store(agent: TrainguardAgent, params: RendezvousParameters, bus: EventBus) -> None:
@@ -113,7 +131,7 @@ def _keep_rendezvous_store(agent: TrainguardAgent, params: RendezvousParameters,
     _, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     if not keeper.listening_port(port):
         return
-    handler = agent._worker_group.spec.rdzv_handler
+    handler = agent.get_worker_group().spec.rdzv_handler
     log.info("this node hosts the rendezvous store (port %d): keeping it up for the other nodes", port)
     try:
         why = keeper.keep_store(handler.is_closed, port)
@@ -124,8 +142,11 @@ def _keep_rendezvous_store(agent: TrainguardAgent, params: RendezvousParameters,
 
 def launch(args: argparse.Namespace) -> int:
     try:
+        # Every monitor's settings are read first: one that cannot start stops the launch here,
+        # before a run dir, a process or a port exists.
+        monitors = plugins.create_monitors(args)
         run_dir = prepare_run_dir(args)
-    except UsageError as exc:
+    except (plugins.MonitorStartError, UsageError) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     node = args.node_name or socket.gethostname()
@@ -145,7 +166,6 @@ def launch(args: argparse.Namespace) -> int:
     bus = EventBus(store, node=node)
     notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
     bus.subscribe(notifier)
-    monitors = plugins.create_monitors(args)
     pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), enabled=args.prestart_workers == "on")
 
     # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
@@ -165,7 +185,7 @@ def launch(args: argparse.Namespace) -> int:
     shutdown_rdzv = True
     code = EXIT_FAILED
     try:
-        master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+        master_addr, master_port = _static_master(rdzv_parameters)
         spec = WorkerSpec(
             role=config.role,
             local_world_size=config.nproc_per_node,
@@ -188,7 +208,8 @@ def launch(args: argparse.Namespace) -> int:
             monitors=monitors,
             pool=pool,
             target=_target(args),
-            options=args,
+            policy_settings=PolicySettings.from_options(args),
+            rdzv_backend=config.rdzv_backend,
             tee_ranks=tee,
             exit_barrier_timeout=args.exit_barrier_timeout,
             stop_timeout=args.worker_stop_timeout,
@@ -207,7 +228,7 @@ def launch(args: argparse.Namespace) -> int:
                 rank=next(iter(agent.final_failures), None),  # ordered by exit time: first failure first
                 evidence={
                     "reason": reason,
-                    "failures": {str(r): f for r, f in agent.final_failures.items()},
+                    "failures": {str(r): f.to_dict() for r, f in agent.final_failures.items()},
                     "max_restarts": config.max_restarts,
                 },
             )
@@ -234,7 +255,7 @@ def launch(args: argparse.Namespace) -> int:
         pool.close()
         if shutdown_rdzv and agent is not None:
             try:
-                agent._worker_group.spec.rdzv_handler.shutdown()
+                agent.get_worker_group().spec.rdzv_handler.shutdown()
             except Exception:
                 pass
         notifier.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,66 +26,64 @@ from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR
 from trainguard.checkpoint.persist import Persister
 from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
+from trainguard.evidence import RankFailure
 from trainguard.launch.monitor import Monitor, MonitorContext
+from trainguard.options import given, non_negative, positive_int
 
 log = logging.getLogger(__name__)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+@dataclass(frozen=True)
+class CheckpointSettings:
+    ckpt_dir: str | Path | None = None  # None: RUN_DIR/checkpoints
+    keep: int = 3  # newest checkpoints kept per rank
+    shm_root: str | Path = "/dev/shm"  # tmpfs where in-memory snapshots live
+    write_limit_mb_s: float = 0.0  # background persist rate cap (0: none)
+    breakpoint_timeout_s: float = 600.0  # longest persist at a failure before the restart goes on
+    overlap: bool = False  # copy CPU tensors during the next forward/backward
 
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> CheckpointSettings:
+        return cls(overlap=bool(options.ckpt_overlap), **given(options, {
+            "ckpt_dir": "ckpt_dir",
+            "keep": "ckpt_keep",
+            "shm_root": "ckpt_shm_dir",
+            "write_limit_mb_s": "ckpt_write_limit",
+        }))  # fmt: skip
 
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
+    d = CheckpointSettings()
     group.add_argument("--ckpt-dir", default=None,
                        help="where trainguard.checkpoint snapshots are persisted (default: RUN_DIR/checkpoints)")
-    group.add_argument("--ckpt-keep", type=_positive_int, default=3, metavar="K",
-                       help="keep the newest K checkpoints per rank (default: 3)")
-    group.add_argument("--ckpt-shm-dir", default="/dev/shm",
-                       help="tmpfs where in-memory snapshots live (default: /dev/shm)")
+    group.add_argument("--ckpt-keep", type=positive_int, default=None, metavar="K",
+                       help=f"keep the newest K checkpoints per rank (default: {d.keep})")
+    group.add_argument("--ckpt-shm-dir", default=None,
+                       help=f"tmpfs where in-memory snapshots live (default: {d.shm_root})")
     group.add_argument("--ckpt-overlap", action="store_true",
                        help="copy CPU tensors of trainguard.checkpoint.save on a helper thread during the next "
                             "forward/backward (the optimizer step waits for it); default: copy inside save")
-    group.add_argument("--ckpt-write-limit", type=_non_negative_float, default=0.0, metavar="MB_S",
+    group.add_argument("--ckpt-write-limit", type=non_negative, default=None, metavar="MB_S",
                        help="cap the background persist rate in MB/s so it does not starve the job's I/O (0: none)")
 
 
 def create(options: argparse.Namespace) -> Monitor | None:
-    return CheckpointMonitor(
-        ckpt_dir=getattr(options, "ckpt_dir", None),
-        keep=getattr(options, "ckpt_keep", 3),
-        shm_root=getattr(options, "ckpt_shm_dir", "/dev/shm"),
-        write_limit_mb_s=getattr(options, "ckpt_write_limit", 0.0),
-        overlap=bool(getattr(options, "ckpt_overlap", False)),
-    )
+    return CheckpointMonitor(CheckpointSettings.from_options(options))
 
 
 class CheckpointMonitor(Monitor):
     name = "checkpoint"
 
-    def __init__(self, ckpt_dir: str | Path | None = None, keep: int = 3, shm_root: str | Path = "/dev/shm",
-                 write_limit_mb_s: float = 0.0, breakpoint_timeout_s: float = 600.0, overlap: bool = False) -> None:
-        self._ckpt_dir_opt = Path(ckpt_dir) if ckpt_dir else None
-        self.keep = keep
-        self.shm_root = Path(shm_root)
-        self.write_limit = write_limit_mb_s * 1e6
-        self.breakpoint_timeout_s = breakpoint_timeout_s
-        self.overlap = overlap
+    def __init__(self, settings: CheckpointSettings | None = None, **fields: Any) -> None:
+        """``CheckpointMonitor(settings)``, or ``CheckpointMonitor(keep=2, ...)`` with fields of
+        CheckpointSettings."""
+        s = settings or CheckpointSettings(**fields)
+        self._ckpt_dir_opt = Path(s.ckpt_dir) if s.ckpt_dir else None
+        self.keep = s.keep
+        self.shm_root = Path(s.shm_root)
+        self.write_limit = s.write_limit_mb_s * 1e6
+        self.breakpoint_timeout_s = s.breakpoint_timeout_s
+        self.overlap = s.overlap
         self.shm_dir: Path | None = None
         self.ckpt_dir: Path | None = None
         self._persister: Persister | None = None
@@ -111,7 +110,7 @@ class CheckpointMonitor(Monitor):
         self._ctx = ctx  # the persist thread emits through the current context's bus
         return None
 
-    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> None:
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> None:
         """Save at breakpoint: the newest complete snapshot of every rank goes to disk before the
         restart (the shm copy survives the restart too, but not the loss of this node)."""
         self._ctx = ctx

@@ -3,18 +3,21 @@
 On ``on_workers_failed`` the monitor reads ``RUN_DIR/logs/attempt-<restart_count>/`` (bounded: the
 first MB and the last ``--diagnose-max-mb`` of each file) together with the agent's failure info
 (exit codes, signals, error files: strong evidence, e.g. SIGKILL means not the user's code), emits
-one ``diagnosis`` event (rank = first failing rank, evidence = the diagnosis) and puts the same
-dict into ``ctx.extra["diagnosis"]`` for the policy.
+one ``diagnosis`` event (rank = first failing rank, evidence = the diagnosis) and returns it as a
+``Diagnosis`` for the policy.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.evidence import Diagnosis, RankFailure
 from trainguard.launch.monitor import Monitor, MonitorContext
+from trainguard.options import SettingsError, given, positive
 
 log = logging.getLogger(__name__)
 
@@ -23,36 +26,57 @@ _ERROR_CATEGORIES = {"gpu_hardware", "cuda_oom", "host_oom", "disk_full_or_io", 
                      "nan_loss", "cuda_error_other", "dataloader", "rendezvous_failure"}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class DiagnosisSettings:
+    enabled: bool = True
+    rules: tuple[Path, ...] = ()  # extra rules files (TOML)
+    max_mb: float = 4.0  # read at most the last MB of each rank log
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> DiagnosisSettings:
+        if options.no_diagnose:
+            return cls(enabled=False)
+        return cls(rules=tuple(options.diagnose_rules or ()), **given(options, {"max_mb": "diagnose_max_mb"}))
+
+
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--no-diagnose", action="store_true", help="do not diagnose the logs after a worker failure"
     )
     group.add_argument("--diagnose-rules", action="append", type=Path, default=[], metavar="FILE",
                        help="extra diagnosis rules file (TOML); repeatable")  # fmt: skip
-    group.add_argument("--diagnose-max-mb", type=float, default=4.0, metavar="MB",
-                       help="read at most the last MB of each rank log when diagnosing (default 4)")  # fmt: skip
+    group.add_argument("--diagnose-max-mb", type=positive, default=None, metavar="MB",
+                       help=f"read at most the last MB of each rank log when diagnosing (default {DiagnosisSettings.max_mb:g})")  # fmt: skip
 
 
 def create(options: argparse.Namespace) -> Monitor | None:
-    if getattr(options, "no_diagnose", False):
+    settings = DiagnosisSettings.from_options(options)
+    if not settings.enabled:
         return None
-    rules = list(getattr(options, "diagnose_rules", None) or [])
-    max_mb = float(getattr(options, "diagnose_max_mb", 4.0) or 4.0)
-    if rules:  # fail at start, with the file named, rather than at the first failure
-        from trainguard.diagnose.rules import load_rules
+    if settings.rules:  # fail at start, with the file named, rather than at the first failure
+        from trainguard.diagnose.rules import RuleError, load_rules
 
-        load_rules(rules)
-    return DiagnosisMonitor(rules, int(max_mb * (1 << 20)))
+        try:
+            load_rules(list(settings.rules))
+        except RuleError as exc:
+            raise SettingsError(f"--diagnose-rules: {exc} (or --no-diagnose to switch diagnosis off)") from None
+    return DiagnosisMonitor(list(settings.rules), int(settings.max_mb * (1 << 20)))
 
 
-def _jsonable_failures(failures: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    keep = ("local_rank", "pid", "exitcode", "signal", "error_file_data", "message", "timestamp", "first_failure")
+def _jsonable_failures(failures: dict[int, RankFailure]) -> dict[int, dict[str, Any]]:
+    """The failure info ``diagnose_paths`` reads (the agent's exact exit time orders failures best)."""
     out = {}
-    for r, i in failures.items():
-        row = {k: v for k, v in (i or {}).items() if k in keep}
-        if (i or {}).get("exit_time"):  # the agent's exact exit time orders failures best
-            row["timestamp"] = i["exit_time"]
-        out[int(r)] = row
+    for r, f in failures.items():
+        out[int(r)] = {
+            "local_rank": f.local_rank,
+            "pid": f.pid,
+            "exitcode": f.exitcode,
+            "signal": f.signal,
+            "error_file_data": f.error_file_data,
+            "message": f.message,
+            "timestamp": f.exit_time or f.timestamp,
+            "first_failure": f.first_failure,
+        }
     return out
 
 
@@ -63,7 +87,7 @@ class DiagnosisMonitor(Monitor):
         self.rules = rules
         self.max_bytes = max_bytes
 
-    def diagnose(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def diagnose(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> Diagnosis:
         from trainguard.diagnose import diagnose_paths
 
         logs = Path(ctx.run_dir) / "logs" / f"attempt-{ctx.restart_count}"
@@ -71,27 +95,25 @@ class DiagnosisMonitor(Monitor):
         info = _jsonable_failures(failures)
         if not paths:  # no rank logs: the tails the agent kept are the log
             for r, i in info.items():
-                if not i.get("message") and failures[r].get("log_tail"):
-                    i["message"] = "\n".join(str(x) for x in failures[r]["log_tail"][-20:])
+                if not i.get("message") and failures[r].log_tail:
+                    i["message"] = "\n".join(str(x) for x in failures[r].log_tail[-20:])
         result = diagnose_paths(paths, self.rules or None, failures=info,
                                 max_bytes_per_file=self.max_bytes)  # fmt: skip
         if not paths:  # no rank logs (yet): the agent's log tails are all there is
             result["note"] = f"no rank logs under {logs}"
         result["attempt"] = ctx.restart_count
-        return result
+        return Diagnosis.from_dict(result)
 
-    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> None:
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> Diagnosis:
         try:
-            result = self.diagnose(ctx, failures)
+            diagnosis = self.diagnose(ctx, failures)
         except Exception as exc:  # never let the diagnosis take the agent down
             log.warning("diagnosis failed: %s", exc)
-            result = {"category": "unknown", "summary": f"diagnosis failed: {exc}", "first_failure": None,
-                      "evidence": [], "fix": "", "findings": []}  # fmt: skip
-        ctx.extra["diagnosis"] = result
-        ff = result.get("first_failure") or {}
-        rank = ff.get("rank") if isinstance(ff.get("rank"), int) else (min(failures) if failures else None)
-        severity = "error" if result.get("category") in _ERROR_CATEGORIES else "warning"
-        msg = f"{result.get('category')}: {result.get('summary', '')}"
-        if result.get("fix"):
-            msg += f" — fix: {result['fix'].split('. ')[0]}"
-        ctx.events.emit("diagnosis", msg, severity=severity, rank=rank, evidence=result)
+            diagnosis = Diagnosis("unknown", summary=f"diagnosis failed: {exc}")
+        rank = diagnosis.rank if diagnosis.rank is not None else (min(failures) if failures else None)
+        severity = "error" if diagnosis.category in _ERROR_CATEGORIES else "warning"
+        msg = f"{diagnosis.category}: {diagnosis.summary}"
+        if diagnosis.fix:
+            msg += f" — fix: {diagnosis.fix.split('. ')[0]}"
+        ctx.events.emit("diagnosis", msg, severity=severity, rank=rank, evidence=diagnosis.to_dict())
+        return diagnosis

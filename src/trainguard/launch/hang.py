@@ -1,79 +1,67 @@
-"""Hang monitor: finds a hung job in seconds, names the culprit rank and its stack, asks for a restart.
+"""Hang monitor: finds a hung job in seconds, names the culprit rank and its stack.
 
-It runs on its own thread (``poll`` only hands over a decision): every ``--hang-period`` it reads the
-I/O and CPU counters of every worker and its children (probes.proc), GPU utilisation through NVML
-when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The pure
+It runs on its own thread (``poll`` only hands over the evidence): every ``--hang-period`` it reads
+the I/O and CPU counters of every worker and its children (probes.proc), GPU utilisation through
+NVML when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The pure
 detector (detect.hang) says when the job looks hung; py-spy stacks (probes.stacks) then say where
 every rank is, which rank is the culprit (detect.culprit), and whether a long pause is a checkpoint
 save or an evaluation that has its own allowance. A confirmed hang is recorded as ``hang_detected``
-with the evidence, written as a readable report in the run dir, and handed to the policy as RESTART.
+with the evidence, written as a readable report in the run dir, and handed to the policy as
+``HangEvidence`` (``policy.decide_on_hang``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
 from trainguard.detect.hang import Activity, Assessment, HangConfig, HangDetector, phase_allowance
-from trainguard.launch.hang_report import write_report
+from trainguard.evidence import HangEvidence
+from trainguard.launch.hang_report import HangReport, write_report
 from trainguard.launch.monitor import Monitor, MonitorContext
-from trainguard.policy import Action, Decision
-from trainguard.probes import proc, stacks
+from trainguard.options import SettingsError, given, number
+from trainguard.probes import nvml, proc, stacks
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DETECT_MINUTES = 30.0  # the seed's MA_HANG_DETECT_TIME=30
-DEFAULT_PERIOD = 1.0
-DEFAULT_STEP_SLACK = 5.0
-DEFAULT_STEP_FACTOR = 3.0
 STACK_TIMEOUT = 10.0
 # Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
 DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
 
 
-def _positive(kind: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"expected {kind} > 0, got {text!r}")
-        return value
-
-    return parse
-
-
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--hang-detect-time",
-        type=_positive("minutes"),
+        type=number("minutes"),
         default=None,
         metavar="MINUTES",
         help="seed rule: a job whose workers did no I/O for this long and whose utilisation did not change is "
-        f"hung (default: $TRAINGUARD_HANG_DETECT_TIME, $MA_HANG_DETECT_TIME, or {DEFAULT_DETECT_MINUTES:g}). "
+        f"hung (default: $TRAINGUARD_HANG_DETECT_TIME, $MA_HANG_DETECT_TIME, or {HangConfig.detect_time / 60:g}). "
         "With step samples, hangs are found far sooner (see --hang-step-slack).",
     )
     group.add_argument(
         "--hang-period",
-        type=_positive("seconds"),
+        type=number("seconds"),
         default=None,
         metavar="SECONDS",
-        help=f"how often worker I/O, CPU and utilisation are sampled (default {DEFAULT_PERIOD:g})",
+        help=f"how often worker I/O, CPU and utilisation are sampled (default {HangConfig.period:g})",
     )
     group.add_argument(
         "--hang-step-slack",
-        type=_positive("seconds"),
+        type=number("seconds"),
         default=None,
         metavar="SECONDS",
-        help=f"no finished step for SLACK + 3 x p99 step time (and no I/O) is a hang (default {DEFAULT_STEP_SLACK:g})",
+        help=f"no finished step for SLACK + {HangConfig.step_factor:g} x p99 step time (and no I/O) is a hang "
+        f"(default {HangConfig.step_slack:g})",
     )
     group.add_argument("--no-hang-detect", action="store_true", help="switch hang detection off")
 
@@ -86,74 +74,50 @@ def _env_minutes() -> float | None:
         try:
             value = float(text)
         except ValueError:
-            raise ValueError(f"{name}={text!r}: expected minutes, e.g. 30") from None
+            value = math.nan
         if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name}={text!r}: expected minutes > 0")
+            raise SettingsError(
+                f"{name}={text!r}: expected minutes > 0, e.g. 30 (or --no-hang-detect to switch hang detection off)"
+            )
         return value
     return None
 
 
-def config_from(options: Any) -> HangConfig:
-    """HangConfig from `trainguard run` flags, then environment, then the seed's defaults."""
-    minutes = getattr(options, "hang_detect_time", None) or _env_minutes() or DEFAULT_DETECT_MINUTES
-    period = getattr(options, "hang_period", None) or DEFAULT_PERIOD
-    slack = getattr(options, "hang_step_slack", None) or DEFAULT_STEP_SLACK
-    return HangConfig(period=period, detect_time=minutes * 60.0, step_slack=slack, step_factor=DEFAULT_STEP_FACTOR)
+@dataclass(frozen=True)
+class HangSettings:
+    """The hang monitor's settings: flags, then environment, then HangConfig's defaults."""
+
+    enabled: bool = True
+    config: HangConfig = field(default_factory=HangConfig)
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> HangSettings:
+        if options.no_hang_detect:
+            return cls(enabled=False)  # the environment is not even read
+        fields = given(options, {"period": "hang_period", "step_slack": "hang_step_slack"})
+        minutes = options.hang_detect_time or _env_minutes()
+        if minutes is not None:
+            fields["detect_time"] = minutes * 60.0
+        return cls(config=dataclasses.replace(HangConfig(), **fields))
 
 
 def create(options: argparse.Namespace) -> Monitor | None:
-    if getattr(options, "no_hang_detect", False):
-        return None
-    return HangMonitor(config_from(options))
+    settings = HangSettings.from_options(options)
+    return HangMonitor(settings.config) if settings.enabled else None
 
 
 # --------------------------------------------------------------------------------------------
 
 
 class _Gpu:
-    """GPU utilisation of this node's GPUs, or None (then each rank's CPU is the series)."""
+    """Utilisation of the GPUs this job sees (NVML); none without NVML (then each rank's CPU is
+    the series)."""
 
     def __init__(self) -> None:
-        self.indices: list[int] = []
-        self._read = None
-        try:  # the shared NVML probe, when present
-            from trainguard.probes import nvml
-
-            count = nvml.device_count()
-            self._read = nvml.utilization
-        except ImportError:
-            count = self._own_count()
-        if count:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-            wanted = [int(x) for x in visible.split(",") if x.strip().isdigit()] if visible else list(range(count))
-            self.indices = [i for i in wanted if i < count] or list(range(count))
-
-    def _own_count(self) -> int:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._read = self._own_read
-            return int(pynvml.nvmlDeviceGetCount())
-        except Exception:
-            return 0
-
-    @staticmethod
-    def _own_read(indices: list[int]) -> list[float] | None:
-        try:
-            import pynvml
-
-            return [float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(i)).gpu) for i in indices]
-        except Exception:
-            return None
+        self.indices = nvml.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), nvml.gpu_ids() or [])
 
     def read(self) -> list[float] | None:
-        if not self.indices or self._read is None:
-            return None
-        try:
-            return self._read(self.indices)
-        except Exception:
-            return None
+        return nvml.utilization(self.indices) if self.indices else None
 
 
 class _Watch:
@@ -173,7 +137,7 @@ class _Watch:
         self.exit_since: float | None = None  # when the workers were first seen shutting down
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
 
-    def round(self, now: float) -> Decision | None:
+    def round(self, now: float) -> HangEvidence | None:
         pids = self.ctx.pids()
         samples = proc.sample_workers(pids, now)
         if not any(s.alive and s.state not in ("Z", "X") for s in samples.values()):
@@ -234,7 +198,7 @@ class _Watch:
             )
         return find_culprit(views, nnodes=self.ctx.nnodes), dumps, views
 
-    def _confirm(self, now: float, a: Assessment, pids: dict[int, int]) -> Decision | None:
+    def _confirm(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
         steps = {r: self.ctx.steps.recent(r) for r in pids}
         verdict, dumps, views = self._stacks(pids, steps)
         stats = a.steps
@@ -301,11 +265,11 @@ class _Watch:
         last_end = max((s.end for r in pids for s in self.ctx.steps.recent(r)[-1:]), default=-math.inf)
         return a.steps is not None and last_end > a.steps.last_end
 
-    def _declare(self, now: float, a: Assessment, verdict: CulpritVerdict, dumps: dict[int, stacks.StackDump]) -> Decision:
+    def _declare(self, now: float, a: Assessment, verdict: CulpritVerdict, dumps: dict[int, stacks.StackDump]) -> HangEvidence:
         ctx = self.ctx
         report = None
         try:
-            report = write_report(ctx.run_dir, now, ctx.node, ctx.restart_count, a, verdict, dumps, self.remote_views)
+            report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, a, verdict, dumps, self.remote_views))
         except OSError as exc:  # a full disk must not stop the restart
             log.error("could not write the hang report: %s", exc)
         culprit_dump = dumps.get(verdict.rank) if verdict.rank is not None else None
@@ -337,13 +301,7 @@ class _Watch:
             "attempt": ctx.restart_count,
         }
         ctx.events.emit("hang_detected", message, severity="error", rank=verdict.rank, evidence=evidence)
-        return Decision(
-            Action.RESTART,
-            f"hang: culprit {who}: {verdict.reason}",
-            source="hang",
-            rank=verdict.rank,
-            evidence={"rule": a.rule, "causes": verdict.causes, "report": evidence["report"]},
-        )
+        return HangEvidence(verdict.rank, a.rule, verdict.reason, list(verdict.causes), evidence["report"], ctx.restart_count)
 
 
 HANG_VIEWS_KEY = "trainguard/hang/{attempt}/{node_rank}"
@@ -414,7 +372,7 @@ class HangMonitor(Monitor):
         self.cfg = cfg
         self._learned: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._decision: Decision | None = None
+        self._evidence: HangEvidence | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gpu: _Gpu | None = None
@@ -422,7 +380,7 @@ class HangMonitor(Monitor):
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._stop_thread()
         with self._lock:
-            self._decision = None
+            self._evidence = None
         self._stop = threading.Event()
         watch = _Watch(ctx, self.cfg, self._learned, None)
         self._thread = threading.Thread(target=self._run, args=(watch, self._stop), name="trainguard-hang", daemon=True)
@@ -435,31 +393,31 @@ class HangMonitor(Monitor):
         next_at = time.monotonic()
         while not stop.is_set():
             try:
-                decision = watch.round(time.time())
+                found = watch.round(time.time())
             except Exception:  # never let one bad round end the watch
                 log.exception("hang monitor round failed")
-                decision = None
-            if decision is not None:
+                found = None
+            if found is not None:
                 with self._lock:
                     if not stop.is_set():
-                        self._decision = decision
-                return  # one decision per attempt; the agent restarts the group
+                        self._evidence = found
+                return  # one hang per attempt: the policy restarts the group
             next_at += self.cfg.period
             if next_at < time.monotonic():  # a slow round (stack dumps): skip, do not catch up
                 next_at = time.monotonic() + self.cfg.period
             stop.wait(max(0.0, next_at - time.monotonic()))
 
-    def poll(self, ctx: MonitorContext) -> Decision | None:
+    def poll(self, ctx: MonitorContext) -> HangEvidence | None:
         with self._lock:
-            decision, self._decision = self._decision, None
-        return decision
+            found, self._evidence = self._evidence, None
+        return found
 
     def _stop_thread(self) -> None:
         self._stop.set()
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():
             # Short: a py-spy call in flight ends on its own timeout, and a stopped watch never
-            # hands over its decision.
+            # hands over its evidence.
             t.join(timeout=2.0)
 
     def on_workers_stopped(self, ctx: MonitorContext) -> None:

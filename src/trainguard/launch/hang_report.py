@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.detect.culprit import CulpritVerdict, RankView
@@ -18,15 +19,23 @@ def report_path(run_dir: Path, when: float, node: str, attempt: int) -> Path:
     return Path(run_dir) / f"hang-{stamp}-{safe_node}-attempt{attempt}.txt"
 
 
-def render(
-    when: float,
-    node: str,
-    attempt: int,
-    assessment: Assessment,
-    verdict: CulpritVerdict,
-    dumps: dict[int, StackDump],
-    remote: dict[int, RankView] | None = None,
-) -> str:
+@dataclass(frozen=True)
+class HangReport:
+    """Everything the report shows about one confirmed hang."""
+
+    when: float
+    node: str
+    attempt: int
+    assessment: Assessment
+    verdict: CulpritVerdict
+    dumps: dict[int, StackDump]
+    remote: dict[int, RankView] = field(default_factory=dict)  # other nodes' ranks
+
+
+def render(r: HangReport) -> str:
+    when, node, attempt, assessment, verdict, dumps, remote = (
+        r.when, r.node, r.attempt, r.assessment, r.verdict, r.dumps, r.remote
+    )
     culprit = "unknown (see reason)" if verdict.rank is None else f"rank {verdict.rank}"
     lines = [
         "trainguard hang report",
@@ -68,19 +77,10 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def write_report(
-    run_dir: Path,
-    when: float,
-    node: str,
-    attempt: int,
-    assessment: Assessment,
-    verdict: CulpritVerdict,
-    dumps: dict[int, StackDump],
-    remote: dict[int, RankView] | None = None,
-) -> Path:
-    path = report_path(run_dir, when, node, attempt)
+def write_report(run_dir: Path, report: HangReport) -> Path:
+    path = report_path(run_dir, report.when, report.node, report.attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(render(when, node, attempt, assessment, verdict, dumps, remote), encoding="utf-8")
+    tmp.write_text(render(report), encoding="utf-8")
     tmp.replace(path)
     return path

@@ -1,25 +1,38 @@
 """The extension point through which detectors and services plug into the agent.
 
-The agent calls every registered ``Monitor`` from its own loop: once before workers first start
-(``worker_env``), after each (re)start, every monitor interval (``poll``), on worker failures and
-on shutdown. A monitor never blocks the loop: ``poll`` must return within a few milliseconds and
-keep slow work (py-spy, disk) on its own threads. Any exception a monitor raises is caught by the
-agent, recorded as a ``monitor_error`` event and otherwise ignored — a monitor cannot kill the job.
+The agent calls every registered ``Monitor`` from its own loop: before each start (``worker_env``),
+after each rendezvous before workers start (``on_before_start``), after each (re)start, every
+monitor interval (``poll``), on worker failures and on shutdown. Monitors observe and report; they
+never decide. What they find goes back to the agent as typed evidence (``trainguard.evidence``),
+which the agent hands to the policy (``trainguard.policy``) and then carries out the decision:
+
+- ``on_before_start(ctx) -> CheckOutcome | None``  -> ``policy.decide_before_start``
+- ``poll(ctx) -> HangEvidence | StragglerEvidence | HardwareFault | None``  -> ``policy.decide_while_running``
+- ``on_workers_failed(ctx, failures) -> Diagnosis | HardwareReport | None``  -> ``policy.decide_on_failure``
+
+A monitor never blocks the loop: ``poll`` must return within a few milliseconds and keep slow work
+(py-spy, disk) on its own threads. Any exception a monitor raises is caught (``MonitorSet``),
+recorded as a ``monitor_error`` event and otherwise ignored — a monitor cannot kill the job.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from trainguard.evidence import CheckOutcome, Diagnosis, HardwareReport, RankFailure, RunningEvidence
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
     from trainguard.events import EventBus
-    from trainguard.policy import Decision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,15 +91,22 @@ class MonitorContext:
     workers: list[WorkerInfo]
     events: EventBus
     steps: StepTracker
-    # Rendezvous store of the current round (shared by all agents; keys are scoped to the round).
+    # Rendezvous store of the current round (shared by all agents). A c10d store is scoped to the
+    # round; the static rendezvous ("static" backend) reuses one store for every attempt.
     store: Store | None = None
-    # trainguard flags as parsed (argparse Namespace), for monitors that read their own options.
-    options: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    rdzv_backend: str = ""
 
     def pids(self) -> dict[int, int]:
         """global rank -> pid"""
         return {w.global_rank: w.pid for w in self.workers}
+
+
+@dataclass(frozen=True)
+class FailureFindings:
+    """What the monitors found out about a failure, for ``policy.decide_on_failure``."""
+
+    diagnosis: Diagnosis | None = None
+    hardware: HardwareReport | None = None
 
 
 class Monitor:
@@ -98,29 +118,78 @@ class Monitor:
         """Extra environment variables for every worker (called before each start)."""
         return {}
 
-    def on_before_start(self, ctx: MonitorContext) -> Decision | None:
+    def on_before_start(self, ctx: MonitorContext) -> CheckOutcome | None:
         """After rendezvous, before workers start (ctx.workers is empty). Pre-flight and node checks
-        live here; return EXCLUDE_NODE / STOP_JOB / RERENDEZVOUS to act instead of starting."""
+        live here: the agreed outcome goes to ``policy.decide_before_start``."""
         return None
 
     def on_workers_started(self, ctx: MonitorContext) -> None:
         pass
 
-    def poll(self, ctx: MonitorContext) -> Decision | None:
-        """Called every monitor interval while workers run. Return a Decision to act on."""
+    def poll(self, ctx: MonitorContext) -> RunningEvidence | None:
+        """Called every monitor interval while workers run: new evidence for the policy, if any."""
         return None
 
-    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> None:
-        """Workers failed (global rank -> failure info), before the policy decides.
-
-        Monitors that inform the decision put their verdict into ``ctx.extra``: the diagnosis
-        monitor sets ``ctx.extra["diagnosis"]`` (dict with "category", ...), the checks monitor
-        ``ctx.extra["hardware"]`` (dict with "healthy": bool, "faults": [...]).
-        Failure info keys: local_rank, pid, exitcode, signal (name or None), error_file_data
-        (dict or None), log_tail (list of str)."""
+    def on_workers_failed(
+        self, ctx: MonitorContext, failures: dict[int, RankFailure]
+    ) -> Diagnosis | HardwareReport | None:
+        """Workers failed (global rank -> failure, first failure first), before the policy decides:
+        what this monitor found out about it (a log diagnosis, a hardware check), if anything."""
+        return None
 
     def on_workers_stopped(self, ctx: MonitorContext) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+class MonitorSet:
+    """The agent's monitors, called in order; a monitor that raises is reported once per hook as a
+    ``monitor_error`` event and otherwise ignored."""
+
+    def __init__(self, monitors: list[Monitor], bus: EventBus) -> None:
+        self.monitors = list(monitors)
+        self.bus = bus
+        self._errors: set[tuple[str, str]] = set()
+
+    def call(self, monitor: Monitor, hook: str, *args: Any) -> Any:
+        try:
+            return getattr(monitor, hook)(*args)
+        except Exception as exc:  # a monitor can never kill the job
+            key = (monitor.name, hook)
+            if key not in self._errors:
+                self._errors.add(key)
+                log.exception("monitor %s.%s failed", monitor.name, hook)
+                self.bus.emit(
+                    "monitor_error",
+                    f"monitor {monitor.name} failed in {hook}: {exc!r}",
+                    severity="warning",
+                    evidence={"monitor": monitor.name, "hook": hook, "error": repr(exc)},
+                )
+            return None
+
+    def each(self, hook: str, *args: Any) -> Iterator[Any]:
+        """What each monitor's ``hook`` returned, skipping None (lazily: stop when you have enough)."""
+        for m in self.monitors:
+            found = self.call(m, hook, *args)
+            if found is not None:
+                yield found
+
+    def worker_env(self, run_dir: Path) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for extra in self.each("worker_env", run_dir):
+            env.update(extra)
+        return env
+
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> FailureFindings:
+        found = list(self.each("on_workers_failed", ctx, failures))
+        return FailureFindings(
+            diagnosis=next((f for f in found if isinstance(f, Diagnosis)), None),
+            hardware=next((f for f in found if isinstance(f, HardwareReport)), None),
+        )
+
+    def notify(self, hook: str, *args: Any) -> None:
+        """Call a hook that returns nothing on every monitor."""
+        for _ in self.each(hook, *args):
+            pass

@@ -1,10 +1,13 @@
 """The monitors the agent loads, in order. Each module defines:
 
-    add_run_arguments(group: argparse._ArgumentGroup) -> None   # its `trainguard run` flags
-    create(options: argparse.Namespace) -> Monitor | None       # None when switched off
+    add_run_arguments(group: argparse._ArgumentGroup) -> None             # its `trainguard run` flags
+    create(options: argparse.Namespace) -> Monitor | list[Monitor] | None  # None when switched off
 
-Order matters: the profiling monitor feeds step samples that the hang monitor reads, and the
-diagnosis and checks monitors fill ctx.extra before the policy decides on a failure.
+``create`` builds the monitor's settings from the parsed flags once (``XSettings.from_options``).
+A monitor that cannot start (a bad setting, a missing rules file...) stops the launch with one
+line (``MonitorStartError``) — unless the user switched it off, which ``create`` honours first.
+
+Order matters: the profiling monitor feeds step samples that the hang monitor reads.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 from types import ModuleType
 
 from trainguard.launch.monitor import Monitor
+from trainguard.options import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +29,10 @@ MONITOR_MODULES = [
     "trainguard.launch.hang",
     "trainguard.launch.diagnosis_monitor",
 ]
+
+
+class MonitorStartError(Exception):
+    """A monitor the user did not switch off cannot start; the message is the launch's error line."""
 
 
 def _modules() -> list[ModuleType]:
@@ -46,13 +54,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def create_monitors(options: argparse.Namespace) -> list[Monitor]:
-    monitors = []
+    monitors: list[Monitor] = []
     for mod in _modules():
         try:
-            m = mod.create(options)
-        except Exception as exc:  # a broken monitor must not stop the job from starting
-            log.error("monitor %s failed to start: %s", mod.__name__, exc)
-            continue
-        if m is not None:
-            monitors.append(m)
+            made = mod.create(options)
+        except SettingsError as exc:
+            raise MonitorStartError(str(exc)) from None
+        except Exception as exc:
+            name = mod.__name__.rsplit(".", 1)[-1]
+            raise MonitorStartError(f"monitor {name} cannot start: {exc}") from None
+        if isinstance(made, Monitor):
+            monitors.append(made)
+        elif made:
+            monitors.extend(made)
     return monitors

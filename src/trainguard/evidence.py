@@ -1,0 +1,186 @@
+"""Typed evidence: what the agent and its monitors observe, handed to the policy to decide on.
+
+Evidence is plain data (frozen dataclasses, no I/O, nothing decided). Who produces what:
+
+- ``RankFailure``: the agent, for each worker that failed (launch/failures.py).
+- ``Diagnosis``: the diagnosis monitor, from the failed attempt's logs, when workers fail.
+- ``HardwareReport``: the checks monitor's hardware check right after workers fail.
+- ``CheckOutcome``: the checks monitor before workers start (pre-check, node check), agreed by all
+  nodes.
+- ``HangEvidence``, ``StragglerEvidence``, ``HardwareFault``: monitors' ``poll`` while workers run.
+- ``PeerStop``, ``PeerLeft``: another node's agent, through the rendezvous store (launch/peers.py).
+
+Each one goes to the matching ``decide_*`` function of ``trainguard.policy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# --------------------------------------------------------------------------- worker failures
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one worker ended, as the agent saw it."""
+
+    local_rank: int
+    pid: int | None
+    exitcode: int | None
+    signal: str | None = None  # "SIGKILL"..., when a signal ended it
+    error_file_data: Any = None  # the torch elastic error file's content; None when it wrote none
+    message: Any = None  # torch's failure message from the error file (str or its dict), else None
+    timestamp: float | None = None  # when torch noticed (its poll)
+    exit_time: float | None = None  # when the process exited (exact: a waiter thread saw it)
+    log_tail: tuple[str, ...] = ()  # last lines of the rank's log
+    collateral: bool = False  # stopped by the agent after another rank failed: a consequence
+    first_failure: bool = False  # the rank that failed first on this node
+
+    @property
+    def when(self) -> float:
+        """The best known failure time (for ordering)."""
+        return self.exit_time or self.timestamp or 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "log_tail": list(self.log_tail)}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The log diagnosis of a failed attempt (``trainguard.diagnose``'s result, typed)."""
+
+    category: str
+    summary: str = ""
+    confidence: str = ""
+    first_failure: dict[str, Any] | None = None  # rank, host, time, line, file, rule...
+    evidence: list[Any] = field(default_factory=list)
+    fix: str = ""
+    findings: list[Any] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)  # the rest: cascade, stats, attempt, note...
+
+    _FIELDS = ("category", "summary", "confidence", "first_failure", "evidence", "fix", "findings")
+
+    @property
+    def rank(self) -> int | None:
+        """The first failing rank, when the diagnosis names one."""
+        r = (self.first_failure or {}).get("rank")
+        return r if isinstance(r, int) and not isinstance(r, bool) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.details, **{k: getattr(self, k) for k in self._FIELDS}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Diagnosis:
+        ff = d.get("first_failure")
+        return cls(
+            category=str(d.get("category") or "unknown"),
+            summary=str(d.get("summary") or ""),
+            confidence=str(d.get("confidence") or ""),
+            first_failure=ff if isinstance(ff, dict) else None,
+            evidence=list(d.get("evidence") or []),
+            fix=str(d.get("fix") or ""),
+            findings=list(d.get("findings") or []),
+            details={k: v for k, v in d.items() if k not in cls._FIELDS},
+        )
+
+
+@dataclass
+class HardwareReport:
+    """The light hardware check (GPU health): healthy or the faults found, with the item results."""
+
+    healthy: bool
+    faults: list[str]
+    items: list[Any]  # checks.items.ItemResult
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "faults": self.faults, "items": [r.to_dict() for r in self.items]}
+
+    def summary(self) -> dict[str, Any]:
+        """What a decision quotes: healthy and the faults."""
+        return {"healthy": self.healthy, "faults": list(self.faults)}
+
+
+# ------------------------------------------------------------------------------ before start
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """The verdict of one pre-start stage, the same on every node (they agree through the store)."""
+
+    stage: str  # "precheck" | "node_check"
+    faulty: dict[int, str] = field(default_factory=dict)  # node rank -> why it failed
+    stragglers: dict[int, str] = field(default_factory=dict)  # node rank -> how slow (node check)
+    undetermined: str = ""  # the check failed but could not tell which node
+    hardware_faulty: frozenset[int] = frozenset()  # nodes whose failure was a hardware item
+    names: dict[int, str] = field(default_factory=dict)  # node rank -> node name, where known
+    details: dict[str, Any] = field(default_factory=dict)  # measurements, every node's outcome
+
+
+# ------------------------------------------------------------------------- while running
+
+
+@dataclass(frozen=True)
+class HangEvidence:
+    """A confirmed hang (the hang monitor has recorded ``hang_detected`` with the full evidence)."""
+
+    rank: int | None  # the culprit; None when no single rank could be named
+    rule: str  # the detector rule that fired: "steps" or "io+utilisation"
+    reason: str  # why that rank (the culprit finder's words)
+    causes: list[dict[str, Any]] = field(default_factory=list)  # known causes the stacks show
+    report: str | None = None  # the readable hang report in the run dir
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class StragglerEvidence:
+    """A rank of this node slower than its peers in its own work, window after window."""
+
+    rank: int
+    node: str
+    kind: str  # compute | dataloader | communication
+    slower_by: float  # ratio to the peers' median
+    value_ms: float  # this rank's time per step in that kind (last window)
+    peers_ms: float  # the peers' median (last window)
+    windows: list[int]
+    steps: tuple[int, int]  # first and last step of those windows
+
+    @property
+    def message(self) -> str:
+        return (
+            f"rank {self.rank} on node {self.node} is a straggler: {self.kind} {self.slower_by:.2f}x slower than its "
+            f"peers ({self.value_ms:.1f} ms vs {self.peers_ms:.1f} ms per step, steps {self.steps[0]}-{self.steps[1]})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "steps": list(self.steps)}
+
+
+@dataclass(frozen=True)
+class HardwareFault:
+    """The periodic hardware check found a fault while training."""
+
+    faults: list[str]
+    node: str
+    node_rank: int
+
+
+# ------------------------------------------------------------------------------ other nodes
+
+
+@dataclass(frozen=True)
+class PeerStop:
+    """Another node's policy stopped the job (its reason, with where it was decided)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeerLeft:
+    """Another node left the job (excluded): the others go on without it."""
+
+    node: str
+
+
+RunningEvidence = HangEvidence | StragglerEvidence | HardwareFault
+PeerNews = PeerStop | PeerLeft

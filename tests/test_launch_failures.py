@@ -1,0 +1,64 @@
+"""The agent's parts that are not torch: failure ordering (launch/failures.py) and messages between
+agents through a real TCPStore on 127.0.0.1 (launch/peers.py)."""
+
+from __future__ import annotations
+
+from torch.distributed import TCPStore
+
+from trainguard.evidence import PeerLeft, PeerStop, RankFailure
+from trainguard.launch import failures as F
+from trainguard.launch.peers import Peers
+
+PEER_GONE = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4312"
+
+
+def failure(local_rank, t, tail=(), message=None, collateral=False, exit_time=None):
+    return RankFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=1, timestamp=t, exit_time=exit_time,
+                       log_tail=tuple(tail), message=message, collateral=collateral)  # fmt: skip
+
+
+def test_first_failure_first_and_its_cascade_left_out():
+    fs = F.order({
+        0: failure(0, 10.0, tail=["step=5", PEER_GONE]),  # died of losing rank 1
+        1: failure(1, 10.5, exit_time=9.0),  # the exact exit time says it went first
+        2: failure(2, 11.0, tail=["ValueError: bad batch"]),  # its own error, later
+        3: failure(3, 12.0, collateral=True),  # stopped by the agent
+    })  # fmt: skip
+    assert list(fs.failures) == [1, 2]
+    assert fs.failures[1].first_failure and not fs.failures[2].first_failure
+    assert fs.stopped == [0, 3] and not fs.remote
+
+
+def test_only_lost_peers_here_means_the_cause_is_on_another_node():
+    message = {"message": PEER_GONE, "extraInfo": {"py_callstack": "...", "timestamp": "1795250000"}}
+    fs = F.order({0: failure(0, 10.0, message=message), 1: failure(1, 10.2, tail=[PEER_GONE])})
+    assert list(fs.failures) == [0] and fs.remote and fs.stopped == [1]
+
+
+def test_all_collateral_keeps_everything():
+    fs = F.order({0: failure(0, 2.0, collateral=True), 1: failure(1, 1.0, collateral=True)})
+    assert list(fs.failures) == [1, 0] and fs.stopped == []
+
+
+def test_failure_evidence_keys_stay_the_same():
+    d = failure(0, 1.0, tail=["x"]).to_dict()
+    assert set(d) == {"local_rank", "pid", "exitcode", "signal", "error_file_data", "message", "timestamp",
+                      "exit_time", "log_tail", "collateral", "first_failure"}  # fmt: skip
+    assert d["log_tail"] == ["x"]
+
+
+def test_agents_tell_each_other_through_the_store():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        a, b = Peers("node-a"), Peers("node-b")
+        assert b.news(server, 2, force=True) is None
+        assert a.news(None, 2, force=True) is None and a.news(server, 1, force=True) is None  # alone: no one to hear
+        a.announce_leaving(server)
+        assert b.news(server, 2, force=True) == PeerLeft("node-a")
+        assert b.news(server, 2) is None  # looked up at most once a second unless forced
+        b.stop_everywhere(server, 2, "user code failed")
+        assert a.news(server, 2, force=True) == PeerStop("user code failed (decided on node-b)")  # stop wins
+        b.stop_everywhere(None, 2, "nothing happens without a store")
+        Peers.leave_rendezvous(object())  # a handler torch cannot leave: logged, never raised
+    finally:
+        del server
