@@ -7,19 +7,20 @@ trainguard's flags and each monitor's flags.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from torch.distributed.run import get_args_parser
 
+from trainguard.events import Severity
+from trainguard.exitcodes import EXIT_USAGE
 from trainguard.launch import plugins
-
-USAGE_ERROR = 2
 
 
 def _one_line_error(parser: argparse.ArgumentParser):
     def error(message: str) -> None:
-        parser.exit(USAGE_ERROR, f"trainguard run: error: {message}\n")
+        parser.exit(EXIT_USAGE, f"trainguard run: error: {message}\n")
 
     return error
 
@@ -60,12 +61,29 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_name_problem(name: str) -> str | None:
+    if not name.strip() or name in (".", "..") or "/" in name or "\0" in name:
+        return f"--node-name {name!r}: a node name names files in the run dir; it cannot be empty or hold '/'"
+    return None
+
+
 def validate(args: argparse.Namespace) -> str | None:
     """A clear message for input we can reject before starting anything."""
     if not args.module and not args.no_python:
         script = args.training_script
         if not os.path.isfile(script):
             return f"training script not found: {script}"
+    nproc = str(args.nproc_per_node).strip()
+    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+        return f"--nproc-per-node must be at least 1 (or auto, gpu, cpu), got {nproc}"
+    if not (args.monitor_interval > 0 and math.isfinite(args.monitor_interval)):
+        return f"--monitor-interval must be a number of seconds > 0, got {args.monitor_interval}"
+    try:
+        Severity.parse(args.notify_severity)
+    except ValueError as exc:
+        return f"--notify-severity: {exc}"
+    if args.node_name is not None:
+        return _node_name_problem(args.node_name)
     return None
 
 
@@ -73,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     problem = validate(args)
     if problem:
         print(f"trainguard run: error: {problem}", file=sys.stderr)
-        return USAGE_ERROR
+        return EXIT_USAGE
     from trainguard.launch.api import launch
 
     return launch(args)
