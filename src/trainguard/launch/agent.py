@@ -325,7 +325,11 @@ class TrainguardAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.UNHEALTHY if peer.action == Action.RERENDEZVOUS else WorkerState.FAILED)
         nnodes = wg.group_world_size or 1
         for evidence in self.monitors.each("poll", self.ctx):
-            decision = policy.decide_while_running(evidence, self.policy_settings, nnodes)
+            try:
+                decision = policy.decide_while_running(evidence, self.policy_settings, nnodes)
+            except Exception:  # no decision is the safe side while the job runs: keep watching
+                log.exception("policy failed on %r", evidence)
+                continue
             if decision is None:
                 continue
             self.carry_out(decision)
