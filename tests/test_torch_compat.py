@@ -142,3 +142,19 @@ def test_ddp_comm_hook_internals(tmp_path):
     finally:
         dist.destroy_process_group()
         del store
+
+
+def test_rendezvous_bootstrap_cache_is_DynamicRendezvousHandler__bootstrap_store_info():
+    h = handler()
+    try:
+        assert hasattr(h, "_bootstrap_store_info"), "torch removed DynamicRendezvousHandler._bootstrap_store_info"
+        first = h.next_rendezvous()
+        assert h._bootstrap_store_info is not None, "torch no longer caches the bootstrap store info"
+        C.forget_rendezvous_bootstrap(h)
+        assert h._bootstrap_store_info is None
+        second = h.next_rendezvous()  # the next round builds (and publishes) it again
+        assert h._bootstrap_store_info is not None
+        assert second.bootstrap_store_info.master_addr == first.bootstrap_store_info.master_addr
+    finally:
+        h.shutdown()
+    C.forget_rendezvous_bootstrap(object())  # other handlers: nothing to forget

@@ -78,6 +78,19 @@ def leave_rendezvous(handler: Any, timeout_s: float = 30.0) -> bool:
     return True
 
 
+def forget_rendezvous_bootstrap(handler: Any) -> None:
+    """Make the next round publish (rank 0) or read (the others) MASTER_ADDR afresh.
+
+    With TCPStore sharing (torch's default), DynamicRendezvousHandler caches the first round's
+    ``_bootstrap_store_info`` and rank 0 writes MASTER_ADDR only then. A node that joins in a later
+    round (it started late, or the others re-formed after an exclusion) then waits 60 s for a key
+    nobody writes and fails; a node whose rank changed keeps a stale address. Clearing the cache
+    before each round makes every round build it again (rank 0 also starts a new shared store
+    server; trainguard's workers use their own per-round store anyway)."""
+    if hasattr(handler, "_bootstrap_store_info"):
+        handler._bootstrap_store_info = None
+
+
 # ----------------------------------------------------------------------- worker processes
 
 # Imported in pre-started workers before they are needed: torch._dynamo is imported lazily by

@@ -143,6 +143,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
         super()._rendezvous(worker_group)
         if worker_group.spec.rdzv_handler.use_agent_store:
             self._fresh_worker_store(worker_group)
