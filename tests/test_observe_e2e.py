@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tgtest import EXAMPLE, Job, events, free_port, kill_tree, trainguard_cmd, wait_event, wait_for
+from tgtest import EXAMPLE, REPO, Job, events, free_port, kill_tree, trainguard_cmd, wait_event, wait_for
 
 from trainguard.events.metrics import METRICS
 from trainguard.view.trace import validate
@@ -132,6 +132,13 @@ def test_real_prometheus_scrapes_the_agent(live_run, tmp_path):
         assert {s["metric"]["rank"] for s in steps} == {"0", "1"}
         assert float(query("trainguard_max_restarts")[0]["value"][1]) == 2
         assert query('trainguard_build_info{version!=""}')
+        # Every panel of the Grafana dashboard in the repo is a valid query with data behind it.
+        board = json.loads((REPO / "docs" / "grafana" / "trainguard.json").read_text())
+        exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+        assert len(exprs) >= 10
+        for expr in exprs:
+            q = expr.replace("$job", ".+").replace("$__rate_interval", "1m")
+            wait_for(lambda q=q: query(q), timeout=60, what=f"data for the dashboard query {q}")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -35,7 +35,7 @@ METRICS: list[tuple[str, str, str]] = [
     ("trainguard_step", "gauge", "training step each rank of this node reached (resumed step + steps since)"),
     ("trainguard_step_duration_seconds", "gauge", "duration of each rank's latest training step"),
     ("trainguard_straggler_ratio", "gauge",
-     "each rank's own work per step (compute + data loading) over the median of this node's ranks (1 = like its peers)"),
+     "each rank's own work per step (compute + data loading) over the median of its peers on this node (1 = like its peers)"),
     ("trainguard_checkpoint_last_step", "gauge", "newest training step persisted as a checkpoint"),
     ("trainguard_checkpoint_stall_seconds", "gauge", "training-thread stall of the newest checkpoint save (longest over this node's ranks)"),
 ]

@@ -15,6 +15,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.events.bus import ROUTINE_KINDS
 from trainguard.events.model import Event
 
 # Span kinds that are a rank's own work (what the straggler detector compares), see detect/straggler.
@@ -129,7 +130,7 @@ class JobSummary:
         self.last_time = e.time if self.last_time is None else max(self.last_time, e.time)
         n = self.nodes.setdefault(e.node, NodeState(e.node))
         n.last_event = e
-        if e.rank is not None:
+        if e.rank is not None and e.kind not in ROUTINE_KINDS:
             self._rank(e.rank).last_event = e
         handler = getattr(self, "_on_" + e.kind, None)
         if handler is not None:
@@ -305,15 +306,18 @@ class JobSummary:
         return min(states, key=JOB_STATE_ORDER.index)
 
     def straggler_scores(self) -> dict[int, float]:
-        """Each rank's own work per step (compute + data loading) over the median of all ranks';
-        step time instead when no rank has FP spans. 1.0 = like its peers."""
+        """Each rank's own work per step (compute + data loading) over its peers' median, as the
+        straggler detector compares them; step time instead when no rank has FP spans. 1.0 = like
+        its peers."""
         own = {r: m for r, rs in self.ranks.items() if (m := rs.own_median()) is not None}
         if len(own) < 2:
             own = {r: statistics.median(rs.durations) for r, rs in self.ranks.items() if len(rs.durations) >= 2}
-        if len(own) < 2:
-            return {}
-        mid = statistics.median(own.values())
-        return {r: (v / mid if mid > 0 else 1.0) for r, v in own.items()}
+        scores = {}
+        for r, v in own.items():
+            peers = statistics.median([p for q, p in own.items() if q != r]) if len(own) > 1 else 0.0
+            if peers > 0:
+                scores[r] = v / peers
+        return scores
 
     def checkpoint_stall(self) -> float | None:
         stalls = [rs.save_stall for rs in self.ranks.values() if rs.save_stall is not None]
