@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("trainguard.launch.profile_cli", "switch lightweight profiling on/off at run time"),
     "diagnose": ("trainguard.diagnose.cli", "find the first failure and root cause in rank logs"),
     "slowdown": ("trainguard.diagnose.slowdown_cli", "warn when training slows down, from its logs"),
+    "status": ("trainguard.view.status_cli", "live view of a run: ranks, steps, restarts, faults (--once for scripts)"),
+    "trace": ("trainguard.view.trace_cli", "a run as a Chrome/Perfetto trace (-o trace.json), plus its goodput"),
+    "stacks": ("trainguard.view.stacks_cli", "dump every rank's Python stacks now (all nodes of the run)"),
+    "dashboard": ("trainguard.web.server", "serve a run's dashboard on loopback (events, step heatmap, faults)"),
 }
 
 

@@ -145,6 +145,13 @@ class Checkpointer:
         module that has buffers (BatchNorm statistics, DDP's buffer broadcast), wait until the copy
         is done, so the snapshot is still exactly the state at this call. Only in-place changes to
         state tensors made elsewhere before the next optimizer step would leak into it."""
+        start = time.perf_counter_ns()
+        try:
+            return self._save(state, step, overlap)
+        finally:
+            _record_stall(start)
+
+    def _save(self, state: Any, step: int, overlap: bool | None) -> bool:
         tree, tensors = flatten(state)
         entries, data_len = plan_layout(tensors)
         meta = {"format": FORMAT, "rank": self.rank, "world_size": self.world, "step": int(step),
@@ -414,6 +421,15 @@ _guarded: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _guard_lock = threading.Lock()
 _hooks_installed = False
 _has_buffers: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _record_stall(start_ns: int) -> None:
+    """The training thread's time in save() as a SaveCheckpoint span, as torch.save gets one."""
+    from trainguard.worker import ring, spans
+
+    rec = spans.recorder()
+    if rec is not None and rec.flags() & ring.FLAG_BASIC:
+        rec.record(ring.SAVE_CHECKPOINT, start_ns, time.perf_counter_ns())
 
 
 def _install_guards(ck: Checkpointer) -> None:

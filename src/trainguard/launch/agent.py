@@ -266,6 +266,7 @@ class TrainguardAgent(LocalElasticAgent):
             evidence={
                 "attempt": self.attempt,
                 "restart_count": restart_count,
+                "max_restarts": spec.max_restarts,
                 "pids": {str(w.global_rank): w.pid for w in workers},
                 "group_rank": worker_group.group_rank,
                 "group_world_size": worker_group.group_world_size,

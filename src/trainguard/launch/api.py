@@ -24,7 +24,7 @@ from torch.distributed.run import config_from_args, get_use_env, parse_min_max_n
 from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from trainguard.launch import keeper, plugins
+from trainguard.launch import console, hold, keeper, plugins
 from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
@@ -63,18 +63,11 @@ def _setup_logging(run_dir: Path, node: str) -> None:
     fh = logging.FileHandler(run_dir / f"agent-{node}.log")
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(fh)
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter("[trainguard %(asctime)s] %(message)s", "%H:%M:%S"))
-
-    class _Console(logging.Filter):
-        # trainguard's own events at INFO; torch's chatter only from WARNING up.
-        def filter(self, record: logging.LogRecord) -> bool:
-            if record.name.startswith("trainguard.worker_output"):
-                return False
-            return record.name.startswith("trainguard") or record.levelno >= logging.WARNING
-
-    console.addFilter(_Console())
-    root.addHandler(console)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter("[trainguard %(asctime)s] %(message)s", "%H:%M:%S"))
+    stream.addFilter(console.ConsoleFilter())  # trainguard's lines; torch's go to the agent log
+    root.addHandler(stream)
+    console.route_torch_logging()
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -250,14 +243,18 @@ def launch(args: argparse.Namespace) -> int:
         log.exception("agent failed")
         bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
     finally:
-        if agent is not None:
-            agent.close()
-        pool.close()
         if shutdown_rdzv and agent is not None:
             try:
                 agent.get_worker_group().spec.rdzv_handler.shutdown()
             except Exception:
                 pass
+        # After the rendezvous is closed (the other nodes are not kept waiting), before the
+        # monitors close (the metrics endpoint and status stay up while held).
+        if code in (EXIT_FAILED, EXIT_EXCLUDED) and args.hold_on_failure:
+            hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if code == EXIT_EXCLUDED else "failed")
+        if agent is not None:
+            agent.close()
+        pool.close()
         notifier.close()
         store.close()
     return code

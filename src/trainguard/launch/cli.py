@@ -25,6 +25,16 @@ def _one_line_error(parser: argparse.ArgumentParser):
     return error
 
 
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected minutes, got {text!r}") from None
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"expected minutes > 0, got {text!r}")
+    return value
+
+
 def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trainguard")
     g.add_argument("--run-dir", default=None, help="run directory (default ./trainguard-runs/<job-id>)")
@@ -47,6 +57,9 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-stop-timeout", type=int, default=15, help="seconds between SIGTERM and SIGKILL")
     g.add_argument("--exit-barrier-timeout", type=float, default=300, help=argparse.SUPPRESS)
     g.add_argument("--quiet", action="store_true", help="do not echo worker output to the console")
+    g.add_argument("--hold-on-failure", type=_minutes, default=None, metavar="MINUTES",
+                   help="when the job fails here, keep this node's agent (and its allocation) alive this long for "
+                   "inspection; SIGTERM ends the hold early")
 
 
 def make_parser() -> argparse.ArgumentParser:

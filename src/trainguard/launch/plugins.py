@@ -23,11 +23,14 @@ from trainguard.options import SettingsError
 log = logging.getLogger(__name__)
 
 MONITOR_MODULES = [
+    # first: it subscribes to the event bus in on_before_start, before the checks emit anything
+    "trainguard.launch.metrics_monitor",
     "trainguard.launch.checkpoint_monitor",
     "trainguard.launch.checks_monitor",
     "trainguard.launch.profiling",
     "trainguard.launch.hang",
     "trainguard.launch.diagnosis_monitor",
+    "trainguard.launch.stacks_monitor",
 ]
 
 

@@ -168,3 +168,17 @@ def to_dict(dump: StackDump) -> dict[str, Any]:
             for t in dump.threads
         ],
     }
+
+
+def format_dict(d: dict[str, Any], where: str = "") -> list[str]:
+    """Readable lines for one rank's dump in ``to_dict`` form (innermost frame first)."""
+    state = d.get("state") or "gone"
+    how = ", read without pausing it" if d.get("nonblocking") else ""
+    lines = [f"=== rank {d.get('rank')} ({where}pid {d.get('pid')}, state {state}{how}) ==="]
+    if d.get("error"):
+        lines.append(f"  stack unavailable: {d['error']}")
+    for t in d.get("threads") or []:
+        flags = ", ".join(f for f, on in (("active", t.get("active")), ("holds GIL", t.get("owns_gil"))) if on) or "idle"
+        lines.append(f"  Thread {t.get('name') or '?'} ({flags}):")
+        lines += [f"      {fr}" for fr in t.get("frames") or []]
+    return lines

@@ -1,0 +1,175 @@
+"""`trainguard dashboard RUN_DIR`: a web page of the run that updates while the job runs.
+
+Standard library only: a ThreadingHTTPServer serves three static files and a small JSON API the
+page polls (``/api/state?after=<event id>``, ``/api/hang?name=<report>``). It binds 127.0.0.1 by
+default; bound to any other address it requires a token (``--token``, or a random one printed in
+the URL) on every API call. The run directory is only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import json
+import mimetypes
+import secrets
+import signal
+import sys
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from trainguard.view.live import RunView
+from trainguard.view.rundir import NotARunDir, hang_reports, read_report
+
+STATIC = ("index.html", "app.js", "style.css")
+FIRST_EVENTS = 500  # events sent on the first load; later polls send only the new ones
+MIN_REFRESH_S = 0.5
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the job's run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs the token)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = a free one)")
+    p.add_argument("--token", default=None, help="token the page must present (default: random when not on loopback)")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _static(name: str) -> bytes:
+    return resources.files("trainguard.web").joinpath("static", name).read_bytes()
+
+
+class Dashboard:
+    """The state behind the page: one RunView, refreshed at most every MIN_REFRESH_S."""
+
+    def __init__(self, view: RunView, token: str | None) -> None:
+        self.view = view
+        self.token = token
+        self._lock = threading.Lock()
+        self._refreshed = 0.0
+
+    def state(self, after: int, columns: int) -> dict[str, Any]:
+        with self._lock:
+            if time.monotonic() - self._refreshed >= MIN_REFRESH_S:
+                self.view.refresh()
+                self._refreshed = time.monotonic()
+            events = [e for e in self.view.events if (e.id or 0) > after]
+        if after <= 0:
+            events = events[-FIRST_EVENTS:]
+        return {
+            "run_dir": str(self.view.run_dir),
+            "now": time.time(),
+            "summary": self.view.snapshot(columns),
+            "events": [e.to_dict() for e in events],
+            "last_id": max([after] + [e.id or 0 for e in events]),
+            "hang_reports": [{"name": p.name, "mtime": p.stat().st_mtime} for p in hang_reports(self.view.run_dir)],
+        }
+
+
+def make_handler(dash: Dashboard) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "trainguard-dashboard"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- quiet by default
+            pass
+
+        def _send(self, status: int, body: bytes, ctype: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self'; img-src 'self' data:")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, data: Any, status: int = 200) -> None:
+            self._send(status, json.dumps(data, default=str).encode(), "application/json")
+
+        def _authorized(self, query: dict[str, list[str]]) -> bool:
+            if dash.token is None:
+                return True
+            given = self.headers.get("X-Trainguard-Token") or (query.get("token") or [""])[0]
+            return hmac.compare_digest(given.encode(), dash.token.encode())
+
+        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            url = urlparse(self.path)
+            query = parse_qs(url.query)
+            path = url.path
+            if path == "/favicon.ico":
+                return self._send(204, b"", "image/x-icon")
+            if path in ("/", "/index.html"):
+                return self._send(200, _static("index.html"), "text/html; charset=utf-8")
+            if path.startswith("/static/") and path[len("/static/"):] in STATIC:
+                name = path[len("/static/"):]
+                ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
+                return self._send(200, _static(name), f"{ctype}; charset=utf-8")
+            if not path.startswith("/api/"):
+                return self._json({"error": "not found"}, HTTPStatus.NOT_FOUND)
+            if not self._authorized(query):
+                return self._json({"error": "token required"}, HTTPStatus.FORBIDDEN)
+            try:
+                if path == "/api/state":
+                    after = int((query.get("after") or ["0"])[0])
+                    columns = max(10, min(400, int((query.get("columns") or ["80"])[0])))
+                    return self._json(dash.state(after, columns))
+                if path == "/api/hang":
+                    text = read_report(dash.view.run_dir, (query.get("name") or [""])[0])
+                    if text is None:
+                        return self._json({"error": "no such report"}, HTTPStatus.NOT_FOUND)
+                    return self._send(200, text.encode(), "text/plain; charset=utf-8")
+            except ValueError as exc:
+                return self._json({"error": str(exc)}, HTTPStatus.BAD_REQUEST)
+            return self._json({"error": "not found"}, HTTPStatus.NOT_FOUND)
+
+    return Handler
+
+
+def serve(view: RunView, host: str, port: int, token: str | None) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), make_handler(Dashboard(view, token)))
+    server.daemon_threads = True
+    return server
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        view = RunView(args.run_dir)
+    except NotARunDir as exc:
+        print(f"trainguard dashboard: error: {exc}", file=sys.stderr)
+        return 2
+    token = args.token
+    if token is None and not is_loopback(args.host):
+        token = secrets.token_urlsafe(16)
+    try:
+        server = serve(view, args.host, args.port, token)
+    except OSError as exc:
+        print(f"trainguard dashboard: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    host, port = server.server_address[:2]
+    shown = f"[{host}]" if ":" in str(host) else host
+    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    print(f"trainguard dashboard of {view.run_dir} on {url}  (Ctrl-C to stop)", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        view.close()
+    return 0
