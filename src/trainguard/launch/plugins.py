@@ -22,6 +22,7 @@ MONITOR_MODULES = [
     "trainguard.launch.checkpoint_monitor",
     "trainguard.launch.checks_monitor",
     "trainguard.launch.profiling",
+    "trainguard.launch.autoinstrument",
     "trainguard.launch.hang",
     "trainguard.launch.diagnosis_monitor",
 ]
