@@ -72,6 +72,7 @@ class SlowdownDetector:
         self._last = 0
         self._count = 0  # iterations in the open window
         self._total_ms = 0.0
+        self.windows = 0  # windows closed so far (a caller can tell "closed, not slow" from "still open")
 
     def _reset(self) -> None:
         self._count, self._total_ms = 0, 0.0
@@ -95,6 +96,7 @@ class SlowdownDetector:
         mean = self._total_ms / self._count
         first, last = self._first, self._last
         self._reset()
+        self.windows += 1
         if self.baseline_ms is None or mean < self.baseline_ms:
             self.baseline_ms = mean
             return None

@@ -25,6 +25,7 @@ MONITOR_MODULES = [
     "trainguard.launch.autoinstrument",
     "trainguard.launch.hang",
     "trainguard.launch.diagnosis_monitor",
+    "trainguard.launch.slowdown_monitor",
 ]
 
 
