@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,41 @@ def test_zero_time_windows_are_merged_never_a_baseline():
     )
     multi = detect([(10, 100.0, 10), (20, 100.0, 10), (30, 300.0, 10)])
     assert [(w.first_iter, w.last_iter, w.ratio) for w in multi] == [(21, 30, 2.0)]
+
+
+def _hf_rank_log(path: Path, slow_from: int) -> Path:
+    """An HF Trainer rank log as trainguard's log pump writes it (one stamped line per bar update,
+    every 0.1 s): 120 it/s, 20 it/s from ``slow_from``; every 100 steps an evaluation bar and a
+    "Writing model shards" bar run for 1.2 s; "... at step N" messages at the start and end."""
+    rows, t, n = [], 1795262000.0, 0
+
+    def add(text: str, dt: float = 0.0) -> None:
+        nonlocal t
+        t += dt
+        rows.append(f"{datetime.fromtimestamp(t):%Y-%m-%dT%H:%M:%S.%f} [rank0]: {text}\n")
+
+    add("train begins at step 0")
+    while n < 300:
+        rate = 120 if n < slow_from else 20
+        step = min(rate // 10, 300 - n)
+        add(f" {n * 100 // 300:3d}%|#         | {n + step}/300 [00:01<00:02, {rate:.2f}it/s]", step / rate)
+        if (n + step) // 100 > n // 100:
+            add("  0%|          | 0/8 [00:00<?, ?it/s]\x1b[A")
+            add("100%|##########| 8/8 [00:00<00:00, 13.00it/s]\x1b[A", 0.6)
+            add("Writing model shards: 100%|##########| 1/1 [00:00<00:00, 1.67it/s]", 0.6)
+        n += step
+    add("train ends at step 300", 0.1)
+    path.write_text("".join(rows))
+    return path
+
+
+def test_cli_times_the_training_bar_only_and_eval_pauses_are_not_slowdowns(tmp_path, capsys):
+    assert cli_main(["slowdown", str(_hf_rank_log(tmp_path / "healthy.log", slow_from=10**9))]) == 0
+    assert capsys.readouterr().out == "", "evaluations and saves between bar updates are no step time"
+    assert cli_main(["slowdown", str(_hf_rank_log(tmp_path / "slow.log", slow_from=204)), "--json"]) == 0
+    warns = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert warns and all(w["first_iter"] > 204 for w in warns)
+    assert all((w["baseline_ms"], w["mean_ms"]) == pytest.approx((1000 / 120, 50.0), abs=0.01) for w in warns)
 
 
 def _coarse_log(path: Path) -> Path:

@@ -77,6 +77,10 @@ class SlowdownDetector:
     def _reset(self) -> None:
         self._count, self._total_ms = 0, 0.0
 
+    def drop_window(self) -> None:
+        """Forget the open window, keep the baseline (the job restarted: the same job)."""
+        self._reset()
+
     def feed(self, iteration: int, ms: float, iterations: int = 1) -> SlowdownWarning | None:
         if not (0 <= ms < float("inf")) or iterations < 1:  # NaN, negative or inf: not a step time
             return None

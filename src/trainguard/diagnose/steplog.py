@@ -3,7 +3,10 @@
 Understood formats (one per line):
 - Megatron-LM: ``iteration  100/ 5000 | ... | elapsed time per iteration (ms): 3101.2 | ...``
 - tqdm progress (HF Trainer, LLaMA-Factory, Accelerate): `` 83/800 [04:12<36:00,  3.10s/it]``
-  (``it/s`` too); ``\\r``-separated updates are separate lines
+  (``it/s`` too); ``\\r``-separated updates are separate lines. With line timestamps (trainguard's
+  rank logs stamp every bar update) a bar is timed by them, per interval between its updates, and
+  an interval in which another bar ran (evaluation, "Writing model shards") is not a step time;
+  without, by the bar's own smoothed rate (which a pause drags down for several updates).
 - LLaMA-Factory ``trainer_log.jsonl``: ``{"current_steps": 10, ..., "elapsed_time": "0:01:23", ...}``
 - DeepSpeed / HF JSON log lines / plain lines with a step number: ``step=100``, ``global_step=100``,
   ``Step 100``, ``{"step": 100, ...}``,
@@ -22,7 +25,7 @@ from typing import NamedTuple
 
 _NUM = r"(\d+(?:\.\d*)?|\.\d+)"  # a decimal number: "3101.2", "3.", ".5" (not ".")
 _MEGATRON = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*" + _NUM)
-_TQDM = re.compile(r"(\d+)/\d+ \[[\d:]+<[\d:?]+,\s*" + _NUM + r"\s*(s/it|it/s)")
+_TQDM = re.compile(r"(\d+)/(\d+) \[[\d:]+<[\d:?]+,\s*" + _NUM + r"\s*(s/it|it/s)")
 _LLAMAFACTORY = re.compile(
     r'"current_steps":\s*(\d+).*?"elapsed_time":\s*"(?:(\d+) days?, )?(\d+):(\d\d):(\d\d)"'
 )
@@ -41,6 +44,17 @@ class StepObs:
     clock: str = ""  # "t" (unix t=), "elapsed" (LLaMA-Factory), "line" (line timestamp)
     rank: int | None = None
     tick: float | None = None  # the clock's resolution in seconds, when the text shows it
+    bar_total: int = 0  # a progress bar's total (tqdm): tells the training bar from eval/save bars
+
+    def source_rank(self) -> tuple[int, int]:
+        """How good a source of step times this line's format is (higher is better): an explicit
+        time per iteration (Megatron-LM), then a progress bar (the one with the largest total: the
+        training bar, not an evaluation's or a save's), then step numbers timed by a clock."""
+        if self.bar_total:
+            return (2, self.bar_total)
+        if self.ms is not None:
+            return (3, 0)
+        return (1, 0) if self.clock == "elapsed" else (0, 0)
 
 
 class StepSample(NamedTuple):
@@ -70,9 +84,11 @@ def _parse_step(message: str, line_time: float | None) -> StepObs | None:
     if "/it" in message or "it/s" in message:
         m = _TQDM.search(message)
         if m:
-            v = float(m[2])
-            ms = v * 1000.0 if m[3] == "s/it" else (1000.0 / v if v > 0 else None)
-            return StepObs(int(m[1]), ms=ms)
+            if line_time is not None:
+                return StepObs(int(m[1]), t=line_time, clock=f"bar{m[2]}", bar_total=int(m[2]))
+            v = float(m[3])
+            ms = v * 1000.0 if m[4] == "s/it" else (1000.0 / v if v > 0 else None)
+            return StepObs(int(m[1]), ms=ms, bar_total=int(m[2]))
     if "current_steps" in message:
         m = _LLAMAFACTORY.search(message)
         if m:
@@ -120,6 +136,11 @@ class StepTimer:
         self._anchor[obs.clock] = (obs.iteration, obs.t)
         n = obs.iteration - prev[0]
         return StepSample(obs.iteration, (obs.t - prev[1]) * 1000.0 / n, n)
+
+    def interrupt(self) -> None:
+        """Something else ran since the last reading (another progress bar: an evaluation, a
+        save): the time until the next reading is not the steps' own."""
+        self._anchor.clear()
 
     def _tick(self, obs: StepObs) -> float:
         if obs.tick is not None:

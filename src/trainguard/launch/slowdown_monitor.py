@@ -13,7 +13,8 @@ numbers would only repeat it). A slowdown is evidence, never a decision (seed 00
 running): a ``slowdown_detected`` event (severity warning, notified like any event) when it starts
 and again each time it has doubled since the last event; every warning line also goes to the
 agent log (``RUN_DIR/agent-<node>.log``), like the seed's fault-tolerance log. The baseline is kept
-across restarts (the same job); the open window is not.
+across restarts (the same job); the open window and the clock anchors are not (the restart's
+downtime is no step's time).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import IO, Any
 
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, SlowdownWarning
 from trainguard.diagnose.slowdown_cli import SlowdownFollower
+from trainguard.diagnose.steplog import StepTimer
 from trainguard.launch.logs import attempt_dir, rank_log_path
 from trainguard.launch.monitor import Monitor, MonitorContext
 
@@ -138,6 +140,9 @@ class SlowdownMonitor(Monitor):
             for t in self._tails.values():
                 t.close()
             self._tails = {}
+            for fol in self._followers.values():  # the time between attempts is no step's time
+                fol.timer = StepTimer()
+                fol.detector.drop_window()
             for w in ctx.workers:
                 path = rank_log_path(ctx.run_dir, ctx.restart_count, w.global_rank)
                 self._tails[w.global_rank] = _Tail(path, self._sizes.get(path, 0))
@@ -177,14 +182,15 @@ class SlowdownMonitor(Monitor):
         fol = self._followers.get(rank)
         if fol is None:
             fol = self._followers[rank] = SlowdownFollower(self.window, self.threshold, rank, rank, time.localtime().tm_year)
-        closed = fol.detector.windows
+        det = fol.detector
+        closed = det.windows
         out = fol.line(raw)
         if rank != min(r for r, f in self._followers.items() if f.samples or r == rank):
             return  # a higher rank while a lower one shows step times too: the same numbers again
         if out is not None:
             stamp, w = out
             self._warn(rank, stamp, w)  # type: ignore[arg-type]
-        elif fol.detector.windows > closed and self._reported is not None:
+        elif fol.detector is det and det.windows > closed and self._reported is not None:
             log.info("slowdown: rank %d back within %.2f of its baseline", rank, self.threshold)
             self._reported, self._suppressed = None, 0
 

@@ -197,6 +197,17 @@ class span:  # noqa: N801 -- used as a function: trainguard.span("name")
         rec.record(R.USER, self._start, end, nid)
 
 
+def record_phase(name: str, start_ns: int, kind: int = R.USER) -> None:
+    """Record a span that started at ``start_ns`` (``time.perf_counter_ns()``) and ends now: for
+    phases a framework only reports once they are over (``trainguard.integrations`` callbacks).
+    ``kind`` USER records it under ``name``; another kind (SAVE_CHECKPOINT) under the kind's name."""
+    rec = _recorder
+    if rec is None or not rec.enabled(kind):
+        return
+    nid = rec.writer.name_id(name) if kind == R.USER else 0
+    rec.record(kind, start_ns, perf_counter_ns(), nid)
+
+
 def step() -> None:
     """Mark the end of a training step explicitly. Once called, the automatic optimizer-step hook
     stops counting steps (so steps are not counted twice)."""
