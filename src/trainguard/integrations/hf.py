@@ -22,36 +22,27 @@ from __future__ import annotations
 
 from typing import Any
 
-_class: type | None = None
+from trainguard.integrations._common import CallbackBase, LazyCallback
 
 
 def __getattr__(name: str) -> Any:
     if name == "TrainguardCallback":
-        return _callback_class()
+        return _lazy.get()
     raise AttributeError(name)
 
 
-def _callback_class() -> type:
-    global _class
-    if _class is None:
-        from transformers import TrainerCallback  # ImportError here, when used without transformers
+def _framework_base() -> type:
+    from transformers import TrainerCallback
 
-        _class = type("TrainguardCallback", (_TrainguardCallback, TrainerCallback), {"__module__": __name__})
-    return _class
+    return TrainerCallback
 
 
-class _TrainguardCallback:
+class _TrainguardCallback(CallbackBase):
     """The behaviour; combined with ``transformers.TrainerCallback`` on first use."""
 
     def __init__(self, checkpoint_every: int = 0, resume: bool = True) -> None:
-        from trainguard.integrations._phases import Phases
-
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-        self.checkpoint_every = checkpoint_every
-        self.resume = resume
-        self.resumed_from: int | None = None  # the step a snapshot was loaded from
-        self.phases = Phases()
+        super().__init__(checkpoint_every, resume)
+        self._evaluating = False  # between the first prediction step and on_evaluate
 
     # ---- checkpoint ---------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
@@ -89,17 +80,23 @@ class _TrainguardCallback:
 
     # ---- phases -------------------------------------------------------------------------------
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.phases.mark()  # logging (a loss all-gather) is done; an evaluation may follow
+        if not self._evaluating:  # (evaluate() logs its metrics just before on_evaluate)
+            self.phases.mark()  # the training log (a loss all-gather) is done; an evaluation may follow
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.phases.since is None:  # trainer.evaluate() outside training: it started here
             self.phases.mark()
+        self._evaluating = True
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.phases.evaluation_done()
+        self._evaluating = False
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.phases.save_done()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.phases.since = None
+
+
+_lazy = LazyCallback(_TrainguardCallback, _framework_base, __name__)

@@ -11,7 +11,9 @@
 - ``checkpoint_every=N``: every N optimizer steps, this rank's module, optimizer and scheduler
   states and the fit loop's progress go to ``trainguard.checkpoint.save``. On ``on_fit_start`` (after
   the strategy set up the optimizers, where Lightning restores its own checkpoints) the newest
-  snapshot every rank has is loaded (``resume=False`` to skip), and training goes on from its step.
+  snapshot every rank has is loaded (``resume=False`` to skip), and training goes on from its step
+  (from the middle of an epoch Lightning warns that the data loader is not resumable: the epoch's
+  batches start over, as with its own checkpoints).
 
 Step spans need nothing from here: Lightning's optimizer step is timed zero-code.
 """
@@ -20,36 +22,26 @@ from __future__ import annotations
 
 from typing import Any
 
-_class: type | None = None
+from trainguard.integrations._common import CallbackBase, LazyCallback
 
 
 def __getattr__(name: str) -> Any:
     if name == "TrainguardCallback":
-        return _callback_class()
+        return _lazy.get()
     raise AttributeError(name)
 
 
-def _callback_class() -> type:
-    global _class
-    if _class is None:
-        from lightning.pytorch.callbacks import Callback  # ImportError here, when used without lightning
+def _framework_base() -> type:
+    from lightning.pytorch.callbacks import Callback
 
-        _class = type("TrainguardCallback", (_TrainguardCallback, Callback), {"__module__": __name__})
-    return _class
+    return Callback
 
 
-class _TrainguardCallback:
+class _TrainguardCallback(CallbackBase):
     """The behaviour; combined with ``lightning.pytorch.callbacks.Callback`` on first use."""
 
     def __init__(self, checkpoint_every: int = 0, resume: bool = True) -> None:
-        from trainguard.integrations._phases import Phases
-
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-        self.checkpoint_every = checkpoint_every
-        self.resume = resume
-        self.resumed_from: int | None = None  # the step a snapshot was loaded from
-        self.phases = Phases()
+        super().__init__(checkpoint_every, resume)
         self._saved_step = -1
         self._unwrap: Any = None
 
@@ -107,3 +99,6 @@ class _TrainguardCallback:
             "step": step,
         }, step)  # fmt: skip
         self._saved_step = step
+
+
+_lazy = LazyCallback(_TrainguardCallback, _framework_base, __name__)
