@@ -81,15 +81,14 @@ def test_wrappers_that_exec_or_spawn_python(jobs, tmp_path, console_script):
     bin_dir, target = console_script
     run = tmp_path / "run"
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--run-dir", run,
-               "--no-python", bin_dir / "tgdemo-wrap", "--steps", "12", "--loaders", "fork,spawn", env={"PYTHONPATH": str(target)})  # fmt: skip
+               "--no-python", bin_dir / "tgdemo-wrap", "--steps", "12", env={"PYTHONPATH": str(target)})  # fmt: skip
     assert job.wait() == 0, job.output()[-4000:]
     for rank in (0, 1):
         log = rank_log(run, 0, rank).read_text()
         wrapper = int(log.split("wrapper pid=")[1].split()[0])
         trainer = int(log.split("instrumentation trainer pid=")[1].split()[0])
         assert (trainer == wrapper) == (rank == 0), "exec keeps the pid; a spawned trainer has its own"
-        # The spawned DataLoader worker (multiprocessing's own child) is not instrumented at all.
-        assert instrumentation(log) == {"trainer": "ring", "dataloader-fork": "private", "dataloader-spawn": "none"}
+        assert instrumentation(log) == {"trainer": "ring", "dataloader-fork": "private"}
         steps = [r["step"] for r in profiling_records(run, rank) if r["kind"] == "Step"]
         assert steps == list(range(1, 13))
 
@@ -113,6 +112,35 @@ def test_private_ring_moves_into_the_shared_file_once(tmp_path):
     reader.close()
     w.close()
     other.close()
+
+
+SPAWN_CHILD = """
+import multiprocessing as mp, sys
+
+def state(q):
+    spans = sys.modules.get("trainguard.worker.spans")
+    q.put("none" if spans is None or spans.recorder() is None else "installed")
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    state(q := ctx.Queue())
+    child = ctx.Process(target=state, args=(q,))
+    child.start()
+    child.join()
+    print(q.get(), q.get())
+"""
+
+
+def test_multiprocessing_children_are_not_instrumented(tmp_path):
+    """A worker's spawned children (spawn / forkserver DataLoader workers) start a fresh Python
+    with the worker's environment: trainguard's sitecustomize leaves them alone."""
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWN_CHILD)
+    env = dict(os.environ, PYTHONPATH=SITE_DIR, RANK="0", TRAINGUARD_RING_PREFIX=str(tmp_path / "ring"))
+    env.pop("TRAINGUARD_RING_OWNER", None)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["installed", "none"], out.stderr
+    assert not list(tmp_path.glob("ring*")), "no step, no ring"
 
 
 def test_sitecustomize_chains_and_installs_nothing_outside_a_job(tmp_path):
