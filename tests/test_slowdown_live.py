@@ -118,3 +118,29 @@ def test_monitor_one_series_per_node_episodes_restarts_and_reused_run_dir(tmp_pa
     finally:
         mon.close()
         db.close()
+
+
+def test_log_pump_ends_lines_at_carriage_returns(tmp_path):
+    """Progress-bar updates become stamped lines as they come; \\r\\n split across writes is one
+    line end; output with no line end at all is written in bounded pieces."""
+    import io
+    import os
+    import threading
+
+    from trainguard.launch.logs import MAX_LINE, RankLog, pump
+
+    r, w = os.pipe()
+    dest, console = RankLog(), io.StringIO()
+    dest.assign(tmp_path / "rank-0.log", 0, tee=True)
+    t = threading.Thread(target=pump, args=(os.fdopen(r, "rb"), dest, console))
+    t.start()
+    for chunk in (b"start\r", b"\n 10%|#| 1/10 [00:01<00:09, 1.00s/it]\r 20%|##| 2/10 [00:02<00:08, 1.00s/it]\r",
+                  b"\r\rdone\n", b"x" * (MAX_LINE + 5)):  # fmt: skip
+        os.write(w, chunk)
+    os.close(w)
+    t.join(timeout=30)
+    dest.close()
+    lines = [x.split(" [rank0]: ", 1)[1] for x in (tmp_path / "rank-0.log").read_text().splitlines()]
+    assert lines == ["start", " 10%|#| 1/10 [00:01<00:09, 1.00s/it]", " 20%|##| 2/10 [00:02<00:08, 1.00s/it]",
+                     "done", "x" * MAX_LINE, "xxxxx"]  # fmt: skip
+    assert console.getvalue().startswith("[rank0]: start\n[rank0]:  10%|#| 1/10 [00:01<00:09, 1.00s/it]\r")

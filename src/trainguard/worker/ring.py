@@ -141,7 +141,8 @@ class RingWriter:
         mm[4:] = self.mm[4:]
         struct.pack_into("<I", mm, 4 * IDX_PID32, os.getpid())  # the header's pid: the claiming process
         mm[:4] = self.mm[:4]  # magic last, as in __init__
-        self.close()
+        # The private ring is not closed: a thread may still hold one of its views for an instant
+        # (it reads stale flags, harmlessly); it is unmapped once the last view is dropped.
         self.mm, self.path = mm, path
         self._views()
 
