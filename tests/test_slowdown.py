@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -70,20 +71,115 @@ def test_step_lines_with_a_duration(line, iteration, ms):
 def test_step_times_from_clocks():
     t = StepTimer()
     assert t.feed(parse_step("step=5 rank=1 t=1763717401.000 loss=0.1")) is None
-    assert t.feed(parse_step("step=7 rank=1 t=1763717402.000 loss=0.1")) == (7, 500.0)
+    assert t.feed(parse_step("step=7 rank=1 t=1763717402.000 loss=0.1")) == (7, 500.0, 2)
     lf = StepTimer()
     rows = [
         '{"current_steps": 10, "elapsed_time": "0:01:00"}',
         '{"current_steps": 20, "elapsed_time": "0:01:30"}',
     ]
-    assert [lf.feed(parse_step(r)) for r in rows] == [None, (20, 3000.0)]
+    assert [lf.feed(parse_step(r)) for r in rows] == [None, (20, 3000.0, 10)]
     ds = StepTimer()  # DeepSpeed: step numbers timed by the line's own timestamp
-    assert ds.feed(parse_step("[Rank 0] step=100, skipped=0, lr=[0.1]", line_time=10.0)) is None
-    assert ds.feed(parse_step("[Rank 0] step=110, skipped=0, lr=[0.1]", line_time=12.0)) == (110, 200.0)
+    assert ds.feed(parse_step("[Rank 0] step=100, skipped=0, lr=[0.1]", line_time=10.5)) is None
+    assert ds.feed(parse_step("[Rank 0] step=110, skipped=0, lr=[0.1]", line_time=12.5)) == (110, 200.0, 10)
     hf = StepTimer()  # HF Trainer log_history rows in a timestamped log
-    assert hf.feed(parse_step('{"loss": 2.1, "step": 50, "epoch": 0.1}', line_time=100.0)) is None
-    assert hf.feed(parse_step("{'loss': 2.0, 'step': 60, 'epoch': 0.12}", line_time=103.0)) == (60, 300.0)
+    assert hf.feed(parse_step('{"loss": 2.1, "step": 50, "epoch": 0.1}', line_time=100.25)) is None
+    assert hf.feed(parse_step("{'loss': 2.0, 'step': 60, 'epoch': 0.12}", line_time=103.25)) == (60, 300.0, 10)
     assert parse_step("resume step=5") is None and parse_step("no numbers here") is None
+
+
+def test_coarse_clock_steps_are_timed_over_ten_ticks():
+    """Issue 18 item 8: one-second timestamps and several steps per second gave 0 ms steps."""
+    t = StepTimer()
+    got = [t.feed(parse_step(f"step={i}", line_time=1000.0 + i // 4)) for i in range(1, 90)]
+    samples = [s for s in got if s is not None]
+    # 4 steps per one-second tick: a sample spans 10 ticks (anchors at steps 1, 40, 80), never 0 ms
+    assert samples == [(40, pytest.approx(10_000 / 39), 39), (80, 250.0, 40)]
+    again = [t.feed(parse_step(f"step={i}", line_time=1000.0 + i // 4)) for i in (80, 81, 85)]
+    assert again == [None, None, None], "the same step again, or too soon: no sample"
+    assert t.feed(parse_step("step=3", line_time=2000.0)) is None, "a restart re-anchors"
+
+
+def test_zero_time_windows_are_merged_never_a_baseline():
+    det = SlowdownDetector(window=5, threshold=0.8)
+    assert [det.feed(i, 0.0) for i in range(1, 11)] == [None] * 10
+    assert det.baseline_ms is None, "no baseline from windows that took no time"
+    assert det.feed(11, 110.0) is None and det.baseline_ms == 10.0  # 11 iterations merged: 110 ms / 11
+    for i in range(12, 17):
+        det.feed(i, 10.0)
+    warns = [det.feed(i, 40.0) for i in range(17, 22)]
+    assert warns[-1] is not None and warns[-1].format() == (
+        "Smoothed mean (iters 17-21: 40.00 ms, baseline: 10.00 ms), threshold ratio:3.00. Warning"
+    )
+    multi = detect([(10, 100.0, 10), (20, 100.0, 10), (30, 300.0, 10)])
+    assert [(w.first_iter, w.last_iter, w.ratio) for w in multi] == [(21, 30, 2.0)]
+
+
+def _hf_rank_log(path: Path, slow_from: int) -> Path:
+    """An HF Trainer rank log as trainguard's log pump writes it (one stamped line per bar update,
+    every 0.1 s): 120 it/s, 20 it/s from ``slow_from``; every 100 steps an evaluation bar and a
+    "Writing model shards" bar run for 1.2 s; "... at step N" messages at the start and end."""
+    rows, t, n = [], 1795262000.0, 0
+
+    def add(text: str, dt: float = 0.0) -> None:
+        nonlocal t
+        t += dt
+        rows.append(f"{datetime.fromtimestamp(t):%Y-%m-%dT%H:%M:%S.%f} [rank0]: {text}\n")
+
+    add("train begins at step 0")
+    while n < 300:
+        rate = 120 if n < slow_from else 20
+        step = min(rate // 10, 300 - n)
+        add(f" {n * 100 // 300:3d}%|#         | {n + step}/300 [00:01<00:02, {rate:.2f}it/s]", step / rate)
+        if (n + step) // 100 > n // 100:
+            add("  0%|          | 0/8 [00:00<?, ?it/s]\x1b[A")
+            add("100%|##########| 8/8 [00:00<00:00, 13.00it/s]\x1b[A", 0.6)
+            add("Writing model shards: 100%|##########| 1/1 [00:00<00:00, 1.67it/s]", 0.6)
+        n += step
+    add("train ends at step 300", 0.1)
+    path.write_text("".join(rows))
+    return path
+
+
+def test_cli_times_the_training_bar_only_and_eval_pauses_are_not_slowdowns(tmp_path, capsys):
+    assert cli_main(["slowdown", str(_hf_rank_log(tmp_path / "healthy.log", slow_from=10**9))]) == 0
+    assert capsys.readouterr().out == "", "evaluations and saves between bar updates are no step time"
+    assert cli_main(["slowdown", str(_hf_rank_log(tmp_path / "slow.log", slow_from=204)), "--json"]) == 0
+    warns = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert warns and all(w["first_iter"] > 204 for w in warns)
+    assert all((w["baseline_ms"], w["mean_ms"]) == pytest.approx((1000 / 120, 50.0), abs=0.01) for w in warns)
+
+
+def _coarse_log(path: Path) -> Path:
+    """8 steps/s on a log with one-second timestamps, then 2 steps/s (4x slower)."""
+    lines, t = [], 0.0
+    for step in range(1, 700):
+        t += 0.125 if step <= 480 else 0.5
+        s = int(t)
+        lines.append(f"2026-11-21 09:{30 + s // 60:02d}:{s % 60:02d} step={step} loss=1.0\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def test_cli_coarse_timestamps_warn_on_the_slowdown_only(tmp_path, capsys):
+    assert cli_main(["slowdown", str(_coarse_log(tmp_path / "coarse.log"))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("2026-11-21 09:31:10 Smoothed mean (iters 481-500: 500.00 ms, baseline: 125.00 ms), "
+                      "threshold ratio:3.00. Warning")  # fmt: skip
+    assert len(out) == 10 and all("baseline: 125.00 ms), threshold ratio:3.00. Warning" in x for x in out)
+
+
+@pytest.mark.parametrize("text", [
+    " iteration      100/  500000 | elapsed time per iteration (ms): . | lr: 1E-4 |",
+    " 10%|█         | 83/800 [04:12<36:00,  .s/it]",
+    " iteration " + "9" * 5000 + "/ 1 | elapsed time per iteration (ms): 1.0 |",
+    "step=" + "7" * 5000 + " t=1763717401.5",
+])  # fmt: skip
+def test_cli_malformed_numbers_are_skipped_lines(tmp_path, capsys, text):
+    log = tmp_path / "odd.log"
+    log.write_text(text + "\n")
+    assert cli_main(["slowdown", str(log)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == f"trainguard slowdown: no step times found in {log}"
 
 
 def test_cli_prints_the_seed_lines(capsys):

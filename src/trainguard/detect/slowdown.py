@@ -1,22 +1,29 @@
 """Training-slowdown detector (pure): smoothed step time against the best seen so far.
 
-Step times are grouped into consecutive, non-overlapping windows of ``window`` iterations; a
-window's mean is its smoothed time. The baseline is the fastest smoothed mean so far. When a
-window's excess over the baseline, ``mean / baseline - 1``, reaches ``threshold`` a warning is
-raised, printed in the seed platform's exact form::
+Step times are grouped into consecutive, non-overlapping windows of at least ``window``
+iterations; a window's mean time per iteration is its smoothed time. The baseline is the fastest
+smoothed mean so far. When a window's excess over the baseline, ``mean / baseline - 1``, reaches
+``threshold`` a warning is raised, printed in the seed platform's exact form::
 
     Smoothed mean (iters 83-87: 9465.00 ms, baseline: 3101.00 ms), threshold ratio:2.05. Warning
 
 (the seed's "threshold ratio" 2.05 is 9465/3101 - 1; its warning threshold is 0.8.)
+
+A sample may stand for several iterations (a log that only shows step numbers on a coarse clock
+is timed over several steps at once, ``diagnose.steplog.StepTimer``): it counts as that many
+iterations at its mean time. A window whose iterations took no measurable time at all is not a
+window: it is merged with the next, so a baseline is never 0 (a 0 baseline would silence every
+later warning, issue 18).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 DEFAULT_WINDOW = 5
 DEFAULT_THRESHOLD = 0.8
+MAX_MERGE = 64  # windows' worth of zero-time iterations merged before they are given up
 
 
 @dataclass(frozen=True)
@@ -44,44 +51,58 @@ class SlowdownWarning:
         }
 
 
-@dataclass
 class SlowdownDetector:
-    """Feed (iteration, step time in ms) in order; ``feed`` returns a warning when a window closes slow.
+    """Feed (iteration, step time in ms[, iterations]) in order; ``feed`` returns a warning when a
+    window closes slow.
 
     An iteration number that does not increase (a restart resumed from a checkpoint) drops the open
     window but keeps the baseline: the job is the same job.
     """
 
-    window: int = DEFAULT_WINDOW
-    threshold: float = DEFAULT_THRESHOLD
-    baseline_ms: float | None = None
-    _iters: list[int] = field(default_factory=list)
-    _times: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
+    def __init__(self, window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD,
+                 baseline_ms: float | None = None) -> None:  # fmt: skip
+        if window < 1:
             raise ValueError("window must be >= 1")
-        if self.threshold <= 0:
+        if not threshold > 0:
             raise ValueError("threshold must be > 0")
+        self.window = window
+        self.threshold = threshold
+        self.baseline_ms = baseline_ms
+        self._first = 0
+        self._last = 0
+        self._count = 0  # iterations in the open window
+        self._total_ms = 0.0
+        self.windows = 0  # windows closed so far (a caller can tell "closed, not slow" from "still open")
 
-    def feed(self, iteration: int, ms: float) -> SlowdownWarning | None:
-        if not (ms == ms) or ms < 0 or ms == float("inf"):  # NaN, negative or inf: not a step time
+    def _reset(self) -> None:
+        self._count, self._total_ms = 0, 0.0
+
+    def drop_window(self) -> None:
+        """Forget the open window, keep the baseline (the job restarted: the same job)."""
+        self._reset()
+
+    def feed(self, iteration: int, ms: float, iterations: int = 1) -> SlowdownWarning | None:
+        if not (0 <= ms < float("inf")) or iterations < 1:  # NaN, negative or inf: not a step time
             return None
-        if self._iters and iteration <= self._iters[-1]:
-            self._iters.clear()
-            self._times.clear()
-        self._iters.append(iteration)
-        self._times.append(ms)
-        if len(self._times) < self.window:
+        if self._count and iteration <= self._last:
+            self._reset()
+        if not self._count:
+            self._first = iteration - iterations + 1
+        self._last = iteration
+        self._count += iterations
+        self._total_ms += ms * iterations
+        if self._count < self.window:
             return None
-        mean = sum(self._times) / len(self._times)
-        first, last = self._iters[0], self._iters[-1]
-        self._iters.clear()
-        self._times.clear()
+        if self._total_ms <= 0:  # no measurable time yet: merge with what follows
+            if self._count >= self.window * MAX_MERGE:
+                self._reset()
+            return None
+        mean = self._total_ms / self._count
+        first, last = self._first, self._last
+        self._reset()
+        self.windows += 1
         if self.baseline_ms is None or mean < self.baseline_ms:
             self.baseline_ms = mean
-            return None
-        if self.baseline_ms <= 0:
             return None
         ratio = mean / self.baseline_ms - 1.0
         if ratio >= self.threshold:
@@ -90,13 +111,13 @@ class SlowdownDetector:
 
 
 def detect(
-    samples: Iterable[tuple[int, float]], window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD
+    samples: Iterable[Sequence[float]], window: int = DEFAULT_WINDOW, threshold: float = DEFAULT_THRESHOLD
 ) -> list[SlowdownWarning]:
-    """All warnings for a sequence of (iteration, step ms)."""
+    """All warnings for a sequence of (iteration, step ms[, iterations])."""
     det = SlowdownDetector(window=window, threshold=threshold)
     out = []
-    for it, ms in samples:
-        w = det.feed(it, ms)
+    for sample in samples:
+        w = det.feed(*sample)  # type: ignore[arg-type]
         if w is not None:
             out.append(w)
     return out

@@ -6,7 +6,9 @@ iterations whose smoothed mean is at least ``1 + R`` times the fastest window so
 
     2025-04-21 15:25:56 Smoothed mean (iters 83-87: 9465.00 ms, baseline: 3101.00 ms), threshold ratio:2.05. Warning
 
-Only one series is followed: ``--rank`` (default: the first rank that shows up in the log).
+Only one series is followed: ``--rank`` (default: the first rank that shows up in the log), and
+of its lines the best source of step times the log offers (``StepObs.source_rank``): a log with
+both a training progress bar and evaluation bars, or bars and ``step N`` messages, is not mixed.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ class SlowdownFollower:
     def __init__(
         self, window: int, threshold: float, rank: int | None, file_rank: int | None, year: int
     ) -> None:
+        self.window, self.threshold = window, threshold
         self.detector = SlowdownDetector(window=window, threshold=threshold)
         self.timer = StepTimer()
+        self.source: tuple[int, int] | None = None  # the source followed (StepObs.source_rank)
         self.rank = rank
         self.file_rank = file_rank
         self.year = year
@@ -69,6 +73,15 @@ class SlowdownFollower:
         if self.rank is None:
             self.rank = rank
         if rank != self.rank:
+            return None
+        source = obs.source_rank()
+        if self.source is None or source > self.source:  # a better source: start over with it
+            self.source = source
+            self.detector = SlowdownDetector(window=self.window, threshold=self.threshold)
+            self.timer = StepTimer()
+        elif source < self.source:
+            if obs.bar_total:  # an evaluation or save bar ran: not the training steps' time
+                self.timer.interrupt()
             return None
         sample = self.timer.feed(obs)
         if sample is None:

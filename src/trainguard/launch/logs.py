@@ -3,12 +3,16 @@
 A pump thread per pipe reads the worker's output, writes
 ``2026-11-21T09:30:01.123456 [rank1]: <text>`` to ``RUN_DIR/logs/attempt-<n>/rank-<rank>.log``
 and tees it to the agent's console. Pipes are attached when a pre-started process is created;
-the rank is only known later, so output before that goes to the agent log.
+the rank is only known later, so output before that goes to the agent log. A carriage return ends
+a line too: progress bars (tqdm in HF Trainer, LLaMA-Factory, Accelerate) rewrite one line with
+``\r``, and each update is a timestamped step-time reading while the bar still runs (the slowdown
+monitor follows them live); on the console such a line still ends with ``\r``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from datetime import datetime
@@ -16,6 +20,9 @@ from pathlib import Path
 from typing import IO
 
 log = logging.getLogger("trainguard.worker_output")
+
+MAX_LINE = 1 << 20  # longer output without a line end is written in pieces of this size
+_EOL = re.compile(rb"\r\n|\r|\n")
 
 
 def attempt_dir(run_dir: Path, attempt: int) -> Path:
@@ -52,7 +59,7 @@ class RankLog:
             self._tee = tee
             self.path = path
 
-    def write_line(self, text: str, stream: IO[str]) -> None:
+    def write_line(self, text: str, stream: IO[str], end: str = "\n") -> None:
         with self._lock:
             if self._file is None:
                 log.info("%s%s", self._prefix, text)
@@ -63,7 +70,7 @@ class RankLog:
                 log.warning("could not write %s: %s", self.path, exc)
             if self._tee:
                 try:
-                    stream.write(f"{self._prefix}{text}\n")
+                    stream.write(f"{self._prefix}{text}{end}")
                     stream.flush()
                 except (OSError, ValueError):
                     pass
@@ -80,16 +87,37 @@ class RankLog:
 
 def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str]) -> None:
     """Copy lines from a worker pipe until EOF. Runs on its own daemon thread."""
+    buf = b""
     try:
-        for raw in iter(pipe.readline, b""):
-            dest.write_line(raw.rstrip(b"\r\n").decode("utf-8", errors="replace"), stream)
+        while chunk := pipe.read1(1 << 16):  # type: ignore[attr-defined]
+            buf = _write_lines(buf + chunk, dest, stream)
     except (OSError, ValueError):
         pass
     finally:
+        if buf.rstrip(b"\r"):
+            dest.write_line(buf.rstrip(b"\r").decode("utf-8", errors="replace"), stream)
         try:
             pipe.close()
         except OSError:
             pass
+
+
+def _write_lines(buf: bytes, dest: RankLog, stream: IO[str]) -> bytes:
+    """Write the complete lines in ``buf``; return what is left (an unfinished line)."""
+    start = 0
+    for m in _EOL.finditer(buf):
+        if m.group() == b"\r" and m.end() == len(buf):
+            break  # maybe the first half of \r\n: wait for the next chunk
+        text = buf[start : m.start()]
+        start = m.end()
+        if m.group() == b"\r" and not text:
+            continue  # a bar cleared before it is redrawn: nothing to record
+        dest.write_line(text.decode("utf-8", errors="replace"), stream, "\r" if m.group() == b"\r" else "\n")
+    rest = buf[start:]
+    while len(rest) > MAX_LINE:
+        dest.write_line(rest[:MAX_LINE].decode("utf-8", errors="replace"), stream)
+        rest = rest[MAX_LINE:]
+    return rest
 
 
 def start_pumps(stdout: IO[bytes], stderr: IO[bytes], dest: RankLog) -> list[threading.Thread]:

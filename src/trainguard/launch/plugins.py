@@ -28,8 +28,10 @@ MONITOR_MODULES = [
     "trainguard.launch.checkpoint_monitor",
     "trainguard.launch.checks_monitor",
     "trainguard.launch.profiling",
+    "trainguard.launch.autoinstrument",
     "trainguard.launch.hang",
     "trainguard.launch.diagnosis_monitor",
+    "trainguard.launch.slowdown_monitor",
     "trainguard.launch.stacks_monitor",
 ]
 

@@ -1,11 +1,18 @@
 """Automatic instrumentation of a worker, run before the user's script (like ``ddtrace-run``).
 
-``install()`` is called by the worker entry of ``trainguard run``. Without the profiling
-environment (any other launcher) it returns at once. Otherwise it creates this rank's ring in
-shared memory and the recorder, and installs the torch hooks — right away when torch is already
-imported, else the moment the script imports it (a post-import hook; importing torch here would
-only move its cost). ``torch.distributed.checkpoint`` is wrapped the same way when imported.
-It never raises: a failure prints one line and training goes on unprofiled.
+``install()`` is called by the worker entry of ``trainguard run``, and by trainguard's
+``sitecustomize`` (``worker/sitedir``, put on the workers' PYTHONPATH) in every other Python
+process a rank's command starts: console scripts run with ``--no-python``, ``python -m``, wrappers
+that exec or spawn Python. Without the profiling environment (any other launcher) it returns at
+once. Otherwise it creates the recorder on a private ring and installs the torch hooks — right
+away when torch is already imported, else the moment the script imports it (a post-import hook;
+importing torch here would only move its cost). ``torch.distributed.checkpoint`` is wrapped the
+same way when imported. It never raises: a failure prints one line and training goes on unprofiled.
+
+One ring per rank, owned by the process that trains: the first process of the rank to complete a
+step moves its ring into the rank's shared file and marks the environment (``ENV_OWNER``), so
+processes started after that (DataLoader workers, helpers) stay uninstrumented; multiprocessing's
+own children are never instrumented, and forked children get a throw-away ring.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from typing import Any
 ENV_RING_PREFIX = "TRAINGUARD_RING_PREFIX"  # set by the agent's profiling monitor
 ENV_FLAGS = "TRAINGUARD_PROFILING_FLAGS"  # initial switch word (ring.FLAG_*)
 ENV_CAPACITY = "TRAINGUARD_RING_CAPACITY"
+ENV_OWNER = "TRAINGUARD_RING_OWNER"  # pid of the process that took this rank's ring
+# The directory whose sitecustomize.py instruments processes trainguard does not start itself.
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitedir")
 
 _installed = False
 
@@ -29,13 +39,20 @@ _installed = False
 def install() -> None:
     global _installed
     prefix = os.environ.get(ENV_RING_PREFIX)
-    if not prefix or _installed:
+    if not prefix or _installed or os.environ.get(ENV_OWNER) or _multiprocessing_child():
         return
     _installed = True
     try:
         _install(prefix)
     except Exception as exc:
         print(f"trainguard: profiling disabled: {exc}", file=sys.stderr, flush=True)
+
+
+def _multiprocessing_child() -> bool:
+    """A process multiprocessing started (spawn / forkserver DataLoader workers, its resource
+    tracker): ``python -c 'from multiprocessing... '``. It works for the trainer, never as one."""
+    argv = getattr(sys, "orig_argv", [])
+    return "-c" in argv[:-1] and argv[argv.index("-c") + 1].startswith("from multiprocessing")
 
 
 def _install(prefix: str) -> None:
@@ -45,10 +62,12 @@ def _install(prefix: str) -> None:
     attempt = os.environ.get("TRAINGUARD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     capacity = int(os.environ.get(ENV_CAPACITY, ring.DEFAULT_CAPACITY))
     path = ring.ring_path(prefix, attempt, rank)
-    writer = ring.RingWriter(path, rank, capacity, flags=int(os.environ.get(ENV_FLAGS, "0")))
-    atexit.register(_unlink, path)  # normally the agent unlinked it already, once mapped
-    rec = spans.Recorder(writer)
+    if not os.access(os.path.dirname(path) or ".", os.W_OK):  # say so now, not at the first step
+        raise OSError(f"cannot create rings in {os.path.dirname(path)}")
+    writer = ring.RingWriter(None, rank, capacity, flags=int(os.environ.get(ENV_FLAGS, "0")))
+    rec = spans.Recorder(writer, claim_path=path, on_claim=_claimed)
     spans.set_recorder(rec)
+    os.register_at_fork(after_in_child=rec.detach)
     when_imported("torch", lambda _mod: _install_torch(rec))
     when_imported("torch.distributed.checkpoint", lambda mod: _install_dcp(rec, mod))
 
@@ -70,7 +89,16 @@ def _install_dcp(rec: Any, mod: ModuleType) -> None:
         print(f"trainguard: checkpoint profiling unavailable: {exc}", file=sys.stderr, flush=True)
 
 
-def _unlink(path: str) -> None:
+def _claimed(path: str) -> None:
+    """This process took the rank's ring: later children must not try."""
+    pid = os.getpid()
+    os.environ[ENV_OWNER] = str(pid)
+    atexit.register(_unlink, path, pid)  # normally the agent unlinked it already, once mapped
+
+
+def _unlink(path: str, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child inherits atexit handlers; the ring is not its own
+        return
     try:
         os.unlink(path)
     except OSError:

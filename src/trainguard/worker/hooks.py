@@ -347,7 +347,15 @@ def _install_ddp(rec: Recorder) -> None:
 
 
 # ---- SaveCheckpoint ----------------------------------------------------------------------------
-def _wrap_save(rec: Recorder, orig: Callable) -> Callable:
+def suppress_saves(on: bool) -> None:
+    """While on, ``torch.save`` / DCP saves on this thread record no span of their own: they are
+    part of a framework's whole checkpoint save, recorded as one SaveCheckpoint span by its
+    callback (``trainguard.integrations``)."""
+    _tls.ckpt = 1 if on else 0
+
+
+def wrap_save(rec: Recorder, orig: Callable) -> Callable:
+    """``orig`` timed as one SaveCheckpoint span; saves nested in it are part of it."""
     @functools.wraps(orig)
     def save(*args: Any, **kwargs: Any) -> Any:
         if not rec.flags() & R.FLAG_BASIC or getattr(_tls, "ckpt", 0):
@@ -368,7 +376,7 @@ def _install_save(rec: Recorder) -> None:
     import torch
 
     if not getattr(torch.save, "_trainguard", False):
-        torch.save = _wrap_save(rec, torch.save)
+        torch.save = wrap_save(rec, torch.save)
 
 
 def install_dcp(rec: Recorder, dcp: Any) -> None:
@@ -376,4 +384,4 @@ def install_dcp(rec: Recorder, dcp: Any) -> None:
     for name in ("save", "async_save", "save_state_dict"):
         orig = getattr(dcp, name, None)
         if orig is not None and not getattr(orig, "_trainguard", False):
-            setattr(dcp, name, _wrap_save(rec, orig))
+            setattr(dcp, name, wrap_save(rec, orig))

@@ -69,6 +69,7 @@ IDX_CLOCK_OFFSET = 8  # time.time_ns() - time.perf_counter_ns()
 IDX_DROPPED = 9  # records the writer had to drop (pending queue full)
 # 32-bit field indexes into a u32 view.
 IDX_FLAGS32 = 4
+IDX_PID32 = 6
 IDX_NAMES32 = 7
 
 STEP_HISTORY = 256
@@ -105,31 +106,45 @@ class Record:
 
 
 class RingWriter:
-    """Creates the ring file and writes to it. Only the creating process writes (one writer)."""
+    """Creates the ring and writes to it. Only the creating process writes (one writer).
 
-    def __init__(self, path: str, rank: int, capacity: int = DEFAULT_CAPACITY, flags: int = 0) -> None:
+    With ``path=None`` the ring starts in private memory (``MAP_PRIVATE``: a forked child gets its
+    own copy) and ``claim(path)`` later moves it, with everything written so far, into the shared
+    file the agent reads: a process only takes its rank's ring once it is known to train."""
+
+    def __init__(self, path: str | None, rank: int, capacity: int = DEFAULT_CAPACITY, flags: int = 0) -> None:
         if capacity <= 0 or capacity & (capacity - 1):
             raise ValueError(f"ring capacity must be a power of two, got {capacity}")
         self.path = path
         self.capacity = capacity
         self.mask = capacity - 1
         size = ring_size(capacity)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.u64 = memoryview(self.mm)[:HEADER_SIZE].cast("Q")
-        self.i64 = memoryview(self.mm)[:HEADER_SIZE].cast("q")
-        self.u32 = memoryview(self.mm)[:HEADER_SIZE].cast("I")
-        self.steps_view = memoryview(self.mm)[STEP_OFF:NAMES_OFF].cast("q")
+        self.mm = _map_file(path, size, exclusive=False) if path else mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        self._views()
         self.i64[IDX_CLOCK_OFFSET] = time.time_ns() - time.perf_counter_ns()
         # Magic last: a reader never sees a half-initialised header as valid.
         HEADER.pack_into(self.mm, 0, 0, VERSION, capacity, RECORD.size, flags, rank, os.getpid(), 0)
         self.u32[0] = MAGIC
         self.write_index = 0
         self.names: dict[str, int] = {}
+
+    def _views(self) -> None:
+        self.u64 = memoryview(self.mm)[:HEADER_SIZE].cast("Q")
+        self.i64 = memoryview(self.mm)[:HEADER_SIZE].cast("q")
+        self.u32 = memoryview(self.mm)[:HEADER_SIZE].cast("I")
+        self.steps_view = memoryview(self.mm)[STEP_OFF:NAMES_OFF].cast("q")
+
+    def claim(self, path: str) -> None:
+        """Move a private ring into a new file at ``path`` (FileExistsError when another process
+        took it first). The views change: holders of ``u32`` must fetch it again."""
+        mm = _map_file(path, len(self.mm), exclusive=True)
+        mm[4:] = self.mm[4:]
+        struct.pack_into("<I", mm, 4 * IDX_PID32, os.getpid())  # the header's pid: the claiming process
+        mm[:4] = self.mm[:4]  # magic last, as in __init__
+        # The private ring is not closed: a thread may still hold one of its views for an instant
+        # (it reads stale flags, harmlessly); it is unmapped once the last view is dropped.
+        self.mm, self.path = mm, path
+        self._views()
 
     @property
     def flags(self) -> int:
@@ -176,3 +191,13 @@ class RingWriter:
         for view in (self.u64, self.i64, self.u32, self.steps_view):
             view.release()
         self.mm.close()
+
+
+def _map_file(path: str, size: int, exclusive: bool) -> mmap.mmap:
+    flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)

@@ -9,12 +9,19 @@ per edge; the switch word is read straight from the shared header. Records made 
 (autograd / comm-hook callbacks) are queued and written by the owning thread at its next record,
 so the ring keeps a single writer. On GPU, spans that measure device work take CUDA events and are
 resolved later, when the events have completed — never a synchronize.
+
+The ring may start private (``claim_path``): the first completed step moves it into the rank's
+shared file, so of all the processes a rank's command starts (wrappers, helpers, data workers) the
+one that trains owns the ring. A forked child gets a throw-away ring (``detach``): two writers must
+never share one.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
@@ -28,8 +35,11 @@ MAX_PENDING = 8192  # bound on queued cross-thread records and unresolved CUDA s
 
 
 class Recorder:
-    def __init__(self, writer: R.RingWriter) -> None:
+    def __init__(self, writer: R.RingWriter, claim_path: str | None = None,
+                 on_claim: Callable[[str], None] | None = None) -> None:  # fmt: skip
         self.writer = writer
+        self._claim_path = claim_path  # where a private ring moves at the first step
+        self._on_claim = on_claim
         self._flags = writer.u32  # live view: the agent flips bits here
         self._owner = _get_ident()
         self._pending: deque[tuple[int, int, int, int, int]] = deque()
@@ -78,6 +88,8 @@ class Recorder:
         n = self.steps + 1
         if n == 1:
             self._owner = _get_ident()  # the thread that runs the training loop writes the ring
+            if self._claim_path is not None:
+                self._claim()
         if self._pending and _get_ident() == self._owner:
             self._flush_pending()
         if self._cuda_pending:
@@ -87,6 +99,29 @@ class Recorder:
         if self._flags[R.IDX_FLAGS32] & R.FLAG_BASIC and _get_ident() == self._owner:
             self.writer.write(R.STEP, 0, n, start, now, 0)
         self._step_start = now
+
+    # ---- ownership ----------------------------------------------------------------------------
+    def _claim(self) -> None:
+        path, self._claim_path = self._claim_path, None
+        assert path is not None
+        try:
+            self.writer.claim(path)
+        except FileExistsError:
+            return  # another process of this rank trains and owns the ring: this one stays private
+        except OSError as exc:
+            print(f"trainguard: profiling disabled: {exc}", file=sys.stderr, flush=True)
+            return
+        self._flags = self.writer.u32
+        if self._on_claim is not None:
+            self._on_claim(path)
+
+    def detach(self) -> None:
+        """In a forked child: write to a private throw-away ring with everything switched off."""
+        self.writer = R.RingWriter(None, 0, capacity=16, flags=0)
+        self._flags = self.writer.u32
+        self._claim_path = None
+        self._pending.clear()
+        self._cuda_pending.clear()
 
     # ---- CUDA ---------------------------------------------------------------------------------
     def cuda_begin(self) -> tuple[int, Any]:
@@ -160,6 +195,17 @@ class span:  # noqa: N801 -- used as a function: trainguard.span("name")
         if nid is None:
             nid = rec.writer.name_id(self._name)
         rec.record(R.USER, self._start, end, nid)
+
+
+def record_phase(name: str, start_ns: int, kind: int = R.USER) -> None:
+    """Record a span that started at ``start_ns`` (``time.perf_counter_ns()``) and ends now: for
+    phases a framework only reports once they are over (``trainguard.integrations`` callbacks).
+    ``kind`` USER records it under ``name``; another kind (SAVE_CHECKPOINT) under the kind's name."""
+    rec = _recorder
+    if rec is None or not rec.enabled(kind):
+        return
+    nid = rec.writer.name_id(name) if kind == R.USER else 0
+    rec.record(kind, start_ns, perf_counter_ns(), nid)
 
 
 def step() -> None:
