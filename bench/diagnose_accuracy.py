@@ -148,6 +148,12 @@ def render(rep: Report, misses: bool = False) -> str:
         f"first failing host: {sum(o.host == o.case.label['host'] for o in hs)}/{len(hs)} = {rep.host_accuracy:.1%}"
     )
     out.append(f"key line named as the first failure: {rep.key_accuracy:.1%}")
+    held = [o for o in rep.outcomes if o.case.label.get("split") == "holdout"]
+    if held:
+        ok = sum(o.category == o.case.category for o in held)
+        hr = [o for o in held if o.case.rank is not None]
+        out.append(f"held-out split (cases written after the rules): category {ok}/{len(held)}, "
+                   f"rank {sum(o.rank == o.case.rank for o in hr)}/{len(hr)}")  # fmt: skip
     projects = Counter(o.case.label.get("project", "?") for o in rep.outcomes)
     out.append("")
     out.append(f"sources: {len(rep.outcomes)} cases from {len(projects)} projects: "

@@ -152,11 +152,12 @@ def oom_evidence(hits: list[Hit], rules: RuleSet) -> tuple[list[Hit], dict[int, 
         return hits, evidence
     by_pid = {o.pid for o in ooms if o.pid is not None}
     for k in kills:
-        if k.pid is not None and k.pid in by_pid:
-            match = [o for o in ooms if o.pid == k.pid]
+        near = [o for o in ooms if o.host is None or k.host is None or o.host == k.host]
+        if k.pid is not None and k.pid in by_pid:  # the kernel names this very process
+            match = [o for o in ooms if o.pid == k.pid] + [o for o in near if o.pid is None]
         else:
-            match = [o for o in ooms if o.host is None or k.host is None or o.host == k.host]
-            match = [o for o in match if o.pid is None or o.pid not in {x.pid for x in kills if x is not k}]
+            others = {x.pid for x in kills if x.pid != k.pid}
+            match = [o for o in near if o.pid is None or o.pid not in others]
         if not match:
             continue
         k.rule = replace(k.rule, id=k.rule.id + "+oom_kill", category="host_oom", confidence="high",
@@ -354,7 +355,11 @@ def analyze(
             result["first_failure"]["host"] = next((h.host for h in first.hits if h.host), None)
         ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
         ev = (
-            [best] + [x for h in first.hits for x in oom_ev.get(id(h), [])] + [h for h in ev if h is not best]
+            [best]
+            + sorted(
+                {id(x): x for h in first.hits for x in oom_ev.get(id(h), [])}.values(), key=lambda h: h.order
+            )
+            + [h for h in ev if h is not best]
         )
         result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
         result["fix"] = rules.fix_for(best.rule)

@@ -21,6 +21,9 @@ A rules file holds ``[[rule]]`` tables and optional ``[category.NAME]`` tables::
     family = "..."                   # optional, else the category's family
     tags = ["oom_kill"]              # optional markers the analysis uses (see TAGS)
 
+A cause or symptom pattern may name a group ``rank``: the line blames that rank ("collective
+mismatch around rank 1", "check rank 0 logs for faulty rank"), so the failure is counted there.
+
 ``keywords`` feed one combined prefilter run over big chunks; only lines containing a keyword are
 matched against the rules' regexes. A rule without keywords must have a plain-literal pattern.
 

@@ -233,11 +233,12 @@ class Scanner:
             elif len(out.facts) < MAX_HITS and not r.tags:
                 out.facts.append(Hit(r, self._rank(info, out.source, Who()), info.host or out.source.host,
                                      info.time, file, ln, text, info.message, order))  # fmt: skip
-        best = next((r for r, _ in matched if r.role != "fact"), None)
+        best, bm = next(((r, m) for r, m in matched if r.role != "fact"), (None, None))
         if best is None:
             return
         who = ctx.resolve(info.message, order, info.host, info.pid)
-        rank = self._rank(info, out.source, who)
+        blamed = next((v for k, v in _groups(bm).items() if k.startswith("rank") and v is not None), None)
+        rank = int(blamed) if blamed is not None else self._rank(info, out.source, who)
         host = info.host or who.host or out.source.host
         if len(out.hits) >= MAX_HITS:
             out.dropped_hits += 1
