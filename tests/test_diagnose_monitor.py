@@ -57,24 +57,7 @@ def test_monitor_diagnoses_the_attempt_logs_and_emits_an_event(tmp_path: Path):
     ctx, store = _ctx(tmp_path)
     mon = diagnosis_monitor.create(_options())
     try:
-        failures = {
-            0: {
-                "local_rank": 0,
-                "pid": 100,
-                "exitcode": 1,
-                "signal": None,
-                "error_file_data": None,
-                "log_tail": [],
-            },
-            1: {
-                "local_rank": 1,
-                "pid": 101,
-                "exitcode": -9,
-                "signal": "SIGKILL",
-                "error_file_data": None,
-                "log_tail": [],
-            },
-        }
+        failures = _sigkill_failures()
         mon.on_workers_failed(ctx, failures)
         d = ctx.extra["diagnosis"]
         # a SIGKILL with a silent log and no OOM-killer evidence: killed from outside, not host OOM

@@ -80,7 +80,8 @@ class Prefilter:
 
     def lines(self, buf: bytes) -> Iterator[tuple[int, int]]:
         if self._db is not None:
-            yield from self._lines_hs(buf)
+            for start, end, _ in self.lines_ids(buf):
+                yield start, end
             return
         search, find, rfind = self._re.search, buf.find, buf.rfind
         pos, n = 0, len(buf)
@@ -136,28 +137,4 @@ class Prefilter:
             if end < len(buf) and buf[end : end + 1] != b"\n":
                 end = len(buf)
             yield start, end, found
-            prev_end = end
-
-    def _lines_hs(self, buf: bytes) -> Iterator[tuple[int, int]]:
-        ends: list[int] = []
-        state = [-1]  # end of the last line reported: later hits in that line are skipped
-        find = buf.find
-
-        def on_match(_id: int, _from: int, to: int, _flags: int, _ctx: object) -> None:
-            if to <= state[0]:
-                return None
-            e = find(b"\n", to - 1)
-            state[0] = len(buf) if e < 0 else e
-            ends.append(state[0])
-            return None
-
-        self._db.scan(buf, match_event_handler=on_match)
-        prev_end = -1
-        for end in sorted(set(ends)):  # hits arrive in end order; sets guard against duplicates
-            if end <= prev_end:
-                continue
-            start = buf.rfind(b"\n", 0, end) + 1 if end > 0 else 0
-            if end < len(buf) and buf[end : end + 1] != b"\n":
-                end = len(buf)
-            yield start, end
             prev_end = end
