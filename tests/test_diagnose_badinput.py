@@ -157,3 +157,43 @@ def test_user_patterns_re2_cannot_run_are_refused_clearly():
         parse_rules(
             '[[rule]]\nid="u"\ncategory="x"\nkeywords=["ab"]\npattern=\'(?<=a)b\'\n', "mine.toml", user=True
         )
+
+
+@pytest.mark.parametrize("chunk", [64, 1000])
+def test_reused_read_buffer_gives_every_line_once_with_its_number_and_offset(
+    tmp_path: Path, monkeypatch, chunk
+):
+    """The plain-file reader fills one buffer again for each chunk: lines cut by a read, lines longer
+    than a chunk, the head+tail mode and a file larger than expected all come out whole and placed."""
+    import random
+
+    from trainguard.diagnose import sources
+
+    monkeypatch.setattr(sources, "CHUNK", chunk)
+    rnd = random.Random(chunk)
+    lines = [(b"x" * rnd.choice([0, 1, 5, 30, 63, 64, 65, 200, 3 * chunk])) + b" %d" % i for i in range(400)]
+    data = b"\n".join(lines) + b"\n"
+    p = tmp_path / "rank-0.log"
+    p.write_bytes(data)
+    seen = b""
+    for c in sources.read_chunks(p):
+        piece = bytes(c.data[: c.end])
+        assert c.offset == len(seen) and data[c.offset : c.offset + c.end] == piece
+        assert c.start_line == seen.count(b"\n")  # a chunk that goes on with a long line: that line's number
+        seen += piece
+    assert seen == data
+    # a file that gives more than its size said when it was opened (a live log): read to the end
+    with open(p, "rb") as f:
+        got = b"".join(
+            bytes(c.data[: c.end]) for c in sources._file_chunks(f, 0, None, first_line=0, expect=10)
+        )
+    assert got == data
+    # head and tail: the head, then whole lines of the tail
+    monkeypatch.setattr(sources, "HEAD_BYTES", 8 * chunk)
+    cs = [(c.offset, bytes(c.data[: c.end])) for c in sources.read_chunks(p, max_bytes=40 * chunk)]
+    head = b"".join(b for off, b in cs if off < 8 * chunk)
+    tail = b"".join(b for off, b in cs if off >= 8 * chunk)
+    assert head == data[: 8 * chunk]
+    start = len(data) - len(tail)
+    assert tail and data[start:] == tail and data[start - 1 : start] == b"\n"
+    assert len(data) - 40 * chunk <= start

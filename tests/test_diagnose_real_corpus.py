@@ -31,7 +31,8 @@ def test_the_corpus_is_large_labelled_and_covers_every_category():
     for c in CASES:
         assert c.label["url"].startswith("https://"), c.name
         assert c.label.get("project") and c.label.get("key"), c.name
-        assert c.category in CATEGORIES and c.category != "slowdown", c.name  # slowdown: tests/corpus/slowdown
+        # slowdown cases live in tests/corpus/slowdown
+        assert c.category in CATEGORIES and c.category != "slowdown", c.name
         assert c.files(), c.name
     wanted = set(CATEGORIES) - {"slowdown", "exit_nonzero"}
     assert wanted <= {c.category for c in CASES}

@@ -2,7 +2,8 @@
 
 A log that just stops is a verdict of its own ("the log ends at step N of M with no error and no
 completion line"), but only where the log says the work was not done: a counter short of its
-total (tqdm ``1577/3942``, Megatron ``iteration 3385/ 8000``, ``[240/735]``), or a framework that always
+total (tqdm ``1577/3942``, Megatron ``iteration 3385/ 8000``, ``[240/735]``,
+LLaMA-Factory's ``"current_steps": 610, "total_steps": 3120``), or a framework that always
 prints a completion line (HF Trainer's ``train_runtime``, Lightning's ``Trainer.fit stopped``) and
 did not. A plain ``step=20`` with nothing after it could be a complete run: no verdict.
 """
@@ -19,6 +20,8 @@ _TQDM = re.compile(r"(\d{1,3})%\|[^|\n]{0,80}\|\s*(\d+)/(\d+)\s*\[")
 _LIGHTNING = re.compile(r"\bEpoch \d+: (?:\s*\d{1,3}%\||: \d+it \[)")
 _MEGATRON = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _BRACKET = re.compile(r"(?:Epoch\(train\)\s*|Epoch: )\[\d+\]\s*\[\s*(\d+)/(\d+)\]")
+# LLaMA-Factory's trainer_log.jsonl
+_JSONSTEPS = re.compile(r'"current_steps":\s*(\d+),\s*"total_steps":\s*(\d+)')
 _HF = re.compile(r"^\{'(?:loss|train_loss|eval_loss)': |\[INFO\|trainer\.py:\d+\]")
 
 
@@ -49,6 +52,9 @@ def step_of(message: str) -> Step | None:
     m = _BRACKET.search(message)
     if m:
         return Step("bracket", int(m[1]), int(m[2]))
+    m = _JSONSTEPS.search(message) if "current_steps" in message else None
+    if m:
+        return Step("tqdm", int(m[1]), int(m[2]))
     if _HF.search(message):
         return Step("hf", None, None)
     return None

@@ -143,18 +143,18 @@ class Scanner:
         tail_len = 0
         order = 0
         for chunk in read_chunks(source.path, max_bytes, out.notes):
-            buf = chunk.data
+            buf, size = chunk.data, chunk.end  # buf is used again for the next chunk: copy what is kept
             if out.bytes == 0:  # the log's own year dates glog/syslog lines (they have none)
-                y = _YEAR.search(buf, 0, 1 << 16)
+                y = _YEAR.search(buf, 0, min(size, 1 << 16))
                 year = int(y.group(1)) if y else year
-            out.bytes += len(buf)
-            tail.append(buf)
-            tail_len += len(buf)
+            out.bytes += size
+            tail.append(bytes(buf[max(0, size - TAIL_BYTES) : size]))
+            tail_len += len(tail[-1])
             while tail_len - len(tail[0]) >= TAIL_BYTES:
                 tail_len -= len(tail.pop(0))
             counted, line_no = 0, chunk.start_line
             kws = self.prefilter.keywords
-            for start, end, ids in self.prefilter.lines_ids(buf):
+            for start, end, ids in self.prefilter.lines_ids(buf, size):
                 if line_no is not None:
                     line_no += buf.count(b"\n", counted, start)
                     counted = start
@@ -197,7 +197,7 @@ class Scanner:
         )
         ranks: dict[tuple[str, int], int] = {}
         for chunk in read_chunks(out.source.path, max_bytes):
-            for m in comm.finditer(chunk.data):
+            for m in comm.finditer(chunk.data, 0, chunk.end):
                 host, pid = m.group(1).decode().rstrip(":").rsplit(":", 1)
                 ranks.setdefault((host, int(pid)), int(m.group(2)))
             if len(ranks) == len(procs):
@@ -281,7 +281,8 @@ class Scanner:
             watched = nan.feed(rank, msg)
             if watched and self._nan_rule is not None and len(out.hits) < MAX_HITS:
                 out.hits.append(Hit(self._nan_rule, rank, info.host or src.host, info.time, str(src.path), None,
-                                    raw, watched, order=1 << 30))  # fmt: skip
+                                    nan.anchor or raw, watched, order=1 << 30))  # fmt: skip
+                nan.anchor = None
             obs = parse_step(msg, info.time)
             e = _EPOCH.search(msg) if ("poch" in msg) else None
             if obs is None and e is None:
