@@ -114,7 +114,9 @@ def main() -> int:
         kw.write_text("\n".join(builtin_rules().keywords()) + "\n")
         files = [str(p) for p in sorted(root.glob("rank-*.log"))]
         if shutil.which("grep"):
-            gw, _, _ = timed(lambda: subprocess.run(["grep", "-F", "-c", "-f", str(kw), *files], stdout=subprocess.DEVNULL,
+            # stdout to a pipe, not /dev/null: GNU grep treats output to /dev/null like -q and stops at the
+            # first match, which would time where the first keyword sits rather than the scan
+            gw, _, _ = timed(lambda: subprocess.run(["grep", "-F", "-c", "-f", str(kw), *files], capture_output=True,
                                                     env={**os.environ, "LC_ALL": "C"}), a.repeat)  # fmt: skip
             print(f"peer: GNU grep -F -c -f keywords (same files): median {gw:.2f} s -> {mb / gw:.0f} MB/s")
             print(f"ratio trainguard/grep throughput: {gw / wall:.2f}")

@@ -31,21 +31,25 @@ def _options(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+def _sigkill_failures() -> dict[int, RankFailure]:
+    return {
+        0: RankFailure(local_rank=0, pid=100, exitcode=1),
+        1: RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL"),
+    }
+
+
 def test_monitor_diagnoses_the_attempt_logs_and_emits_an_event(tmp_path: Path):
     attempt = tmp_path / "logs" / "attempt-1"
-    shutil.copytree(CORPUS / "host_oom" / "sigkill", attempt)
+    shutil.copytree(CORPUS / "killed_external" / "sigkill", attempt)
     ctx, store = _ctx(tmp_path)
     mon = diagnosis_monitor.create(_options())
     try:
-        failures = {
-            0: RankFailure(local_rank=0, pid=100, exitcode=1),
-            1: RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL"),
-        }
-        d = mon.on_workers_failed(ctx, failures)
+        d = mon.on_workers_failed(ctx, _sigkill_failures())
         assert isinstance(d, Diagnosis)
-        assert d.category == "host_oom" and d.first_failure["rank"] == 1 and d.details["attempt"] == 1
+        # a SIGKILL with a silent log and no OOM-killer evidence: killed from outside, not host OOM
+        assert d.category == "killed_external" and d.first_failure["rank"] == 1 and d.details["attempt"] == 1
         (ev,) = store.query(kinds=["diagnosis"])
-        assert ev.rank == 1 and ev.severity.label == "error" and ev.evidence["category"] == "host_oom"
+        assert ev.rank == 1 and ev.severity.label == "error" and ev.evidence["category"] == "killed_external"
         assert "SIGKILL" in ev.evidence["first_failure"]["line"]
     finally:
         store.close()
@@ -77,5 +81,39 @@ def test_monitor_never_raises_and_can_be_switched_off(tmp_path: Path):
         mon = diagnosis_monitor.create(_options())
         assert mon.on_workers_failed(ctx, {"not-a-rank": "garbage"}).category == "unknown"  # type: ignore[dict-item]
         assert store.query(kinds=["diagnosis"])
+    finally:
+        store.close()
+
+
+class _Counters:
+    """Stands in for the kernel's oom_kill counter files: a real file the test bumps."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+
+    def bump(self) -> None:
+        self.path.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+
+
+def test_monitor_calls_a_sigkill_host_oom_only_when_the_oom_counter_moved(tmp_path: Path, monkeypatch):
+    from trainguard.probes import oom
+
+    counter = _Counters(tmp_path / "memory.oom_control")
+    monkeypatch.setattr(oom, "files_for", lambda pids=(): [str(counter.path)])
+    attempt = tmp_path / "logs" / "attempt-1"
+    shutil.copytree(CORPUS / "killed_external" / "sigkill", attempt)
+    ctx, store = _ctx(tmp_path)
+    mon = diagnosis_monitor.create(_options())
+    try:
+        mon.on_workers_started(ctx)
+        quiet = mon.on_workers_failed(ctx, _sigkill_failures())
+        assert quiet.category == "killed_external" and quiet.details["oom_check"]["moved"] is False
+        assert "the kernel's oom_kill counters did not move" in quiet.summary
+        mon.on_workers_started(ctx)
+        counter.bump()  # the kernel's OOM killer fired during this attempt
+        d = mon.on_workers_failed(ctx, _sigkill_failures())
+        assert d.category == "host_oom" and d.first_failure["rank"] == 1 and d.confidence == "high"
+        assert any("oom_kill event" in e["line"] for e in d.evidence)
     finally:
         store.close()

@@ -145,6 +145,8 @@ def test_signal_beats_communication_and_bare_exit():
         ("hang_no_error", Action.RESTART),
         ("segfault", Action.RESTART),
         ("host_oom", Action.RESTART),
+        ("killed_external", Action.RESTART),  # SIGKILL from outside, no OOM-killer event
+        ("exit_nonzero", Action.RESTART),  # a non-zero exit with no error logged
         ("gpu_hardware", Action.EXCLUDE_NODE),
     ],
 )
@@ -152,6 +154,13 @@ def test_diagnosis_category_decides_when_known(category, action):
     d = P.decide_on_failure({0: BARE_EXIT}, 2, Diagnosis(category, summary="x", first_failure={"rank": 0}), HEALTHY)
     assert d.action == action
     assert d.evidence["diagnosis"]["category"] == category
+
+
+def test_a_tcpstore_timeout_in_the_error_file_is_communication_not_user_code():
+    """c10d store client timeouts surface as Python exceptions: a rendezvous failure, retried."""
+    store_timeout = RankFailure(local_rank=0, pid=7, exitcode=1, error_file_data={"message": {
+        "message": "torch.distributed.DistStoreError: Socket Timeout", "extraInfo": {"py_callstack": ""}}})
+    assert P.decide_on_failure({0: store_timeout}, 2, None, HEALTHY).action == Action.RESTART
 
 
 def test_rank_comes_from_the_diagnosis_first_failure():

@@ -104,43 +104,26 @@ USER, HARDWARE, COMMUNICATION, SIGNAL, EXIT, ENVIRONMENT = (
     "environment",
 )
 
-# Log-diagnosis categories (the diagnosis monitor's names) -> cause. Unknown names fall back to
-# the failure info itself.
-DIAGNOSIS_CAUSES: dict[str, str] = {
-    "python_exception": USER,
-    "cuda_oom": USER,  # on healthy hardware: batch/model too big for the GPU; a retry fails again
-    "cuda_error_other": USER,  # illegal address & co: a bug (hardware faults are gpu_hardware)
-    "nan_loss": USER,
-    "launcher": USER,  # bad script path / arguments
-    "user_code": USER,
-    "gpu_hardware": HARDWARE,
-    "nccl_network": COMMUNICATION,
-    "nccl_timeout": COMMUNICATION,
-    "nccl_channel": COMMUNICATION,
-    "nccl_gdr": COMMUNICATION,
-    "rendezvous_failure": COMMUNICATION,
-    "hang_no_error": COMMUNICATION,
-    "segfault": SIGNAL,
-    "host_oom": SIGNAL,
-    "disk_full_or_io": ENVIRONMENT,  # a retry on the same full disk fails again
-    # "dataloader", "healthy", "slowdown", "unknown": decided from the failure info itself
-}
+# Causes come from the diagnosis rules (src/trainguard/diagnose/rules/*.toml): each category and
+# rule there carries its family, whose names are the causes above. One source of failure-text
+# knowledge for the log diagnosis, the agent's cascade ordering and this policy.
 
-# Crash text that points at the GPU itself (driver/ECC/bus), not at the program.
-_HARDWARE_TEXT = re.compile(
-    r"uncorrectable ECC|ECC error|\bXid\b|fallen off the bus|GPU is lost|NVLink|"
-    r"cudaErrorDevicesUnavailable|CUDA-capable device\(s\) is/are busy or unavailable|"
-    r"CUDA error: unspecified launch failure",
-    re.IGNORECASE,
-)
-# Text of errors that come from the collective/network layer: a peer died or the link broke.
-_COMMUNICATION_TEXT = re.compile(
-    r"DistBackendError|DistNetworkError|DistStoreError|ProcessGroupNCCL|ProcessGroupGloo|\bNCCL\b|"
-    r"\bnccl\w*Error|\bgloo\b|Connection (?:reset|closed|refused)|Broken pipe|ECONNRESET|"
-    r"No route to host|Socket Timeout|Watchdog caught collective|collective operation timeout|"
-    r"timed out|TCPStore|RendezvousError",
-    re.IGNORECASE,
-)
+
+def cause_of_category(category: str) -> str | None:
+    """The cause of a diagnosis category (None: the category says nothing about the cause, e.g.
+    healthy, slowdown, unknown: then the failure info decides)."""
+    from trainguard.diagnose.rules import builtin_rules
+
+    family = builtin_rules().family_for(category)
+    return family if family in (USER, HARDWARE, COMMUNICATION, SIGNAL, EXIT, ENVIRONMENT) else None
+
+
+def _text_family(text: str) -> str | None:
+    from trainguard.diagnose import classify_text
+
+    return classify_text(text).family if text.strip() else None
+
+
 _EXCEPTION_NAME = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))\b")
 _USER_SIGNALS_HINT = {"SIGTERM", "SIGINT", "SIGHUP"}  # stopped from outside (preemption, kill)
 
@@ -172,17 +155,25 @@ def _error_text(error_file_data: Any) -> tuple[str, str]:
     return str(msg), str(msg)
 
 
+def _hardware_line(text: str) -> str | None:
+    """The line of ``text`` that the rules say points at the GPU itself (driver, ECC, bus)."""
+    from trainguard.diagnose import classify_text
+
+    verdict = classify_text(text) if text.strip() else None
+    return verdict.line if verdict is not None and verdict.family == HARDWARE else None
+
+
 def classify_rank_failure(rank: int | None, f: RankFailure) -> FailureCause:
     """What ended one worker, from its failure (exit code, signal, error file, log tail)."""
     head, text = _error_text(f.error_file_data)
     tail = "\n".join(str(x) for x in f.log_tail[-50:])
     sig = signal_name(f.exitcode, f.signal)
-    hardware = _HARDWARE_TEXT.search(text) or _HARDWARE_TEXT.search(tail)
+    hardware = _hardware_line(text) or _hardware_line(tail)
     if hardware:
-        return FailureCause(HARDWARE, rank, f"GPU/driver error in the output ({hardware.group(0)})")
+        return FailureCause(HARDWARE, rank, f"GPU/driver error in the output ({hardware[:200]})")
     if head:
         # Only the message itself: a user's traceback may quote code lines that mention "nccl".
-        if _COMMUNICATION_TEXT.search(head):
+        if _text_family(head) == COMMUNICATION:
             return FailureCause(COMMUNICATION, rank, head[:300])
         return FailureCause(USER, rank, head[:300])
     if sig:
@@ -191,7 +182,7 @@ def classify_rank_failure(rank: int | None, f: RankFailure) -> FailureCause:
     lines = [ln.split("]: ", 1)[-1] for ln in f.log_tail]
     exc = next((ln for ln in reversed(lines) if _EXCEPTION_NAME.match(ln)), None)
     if exc is not None and "Traceback (most recent call last)" in tail:
-        kind = COMMUNICATION if _COMMUNICATION_TEXT.search(exc) else USER
+        kind = COMMUNICATION if _text_family(exc) == COMMUNICATION else USER
         return FailureCause(kind, rank, exc.strip()[:300])
     return FailureCause(EXIT, rank, f"exit code {f.exitcode}")
 
@@ -206,7 +197,7 @@ def classify_failures(failures: dict[int, RankFailure], diagnosis: Diagnosis | N
     """The root cause of a group failure: the diagnosis when it names a known category, else the
     most telling of the per-rank causes."""
     if diagnosis is not None:
-        kind = DIAGNOSIS_CAUSES.get(diagnosis.category)
+        kind = cause_of_category(diagnosis.category)
         if kind is not None:
             return FailureCause(kind, diagnosis.rank, (diagnosis.summary or diagnosis.category)[:300])
     causes = [classify_rank_failure(rank, f) for rank, f in sorted(failures.items())]

@@ -1,7 +1,8 @@
 """Log diagnosis: the first failure across ranks, its root cause, evidence and a fix.
 
-from trainguard.diagnose import diagnose_paths
+from trainguard.diagnose import diagnose_paths, classify_text
 result = diagnose_paths(["run/logs/attempt-0"])   # the same dict `trainguard diagnose --json` prints
+verdict = classify_text(log_tail_lines)          # category, cause family, peer_loss of a short text
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from trainguard.diagnose.rules import RuleError, RuleSet, load_rules
 from trainguard.diagnose.sources import SourceError
+from trainguard.diagnose.text import TextVerdict, classify_text
 
-__all__ = ["diagnose_paths", "RuleError", "SourceError", "DiagnoseError"]
+__all__ = ["diagnose_paths", "classify_text", "TextVerdict", "RuleError", "SourceError", "DiagnoseError"]
 
 DiagnoseError = (RuleError, SourceError)
 
@@ -48,26 +50,30 @@ def diagnose_paths(
     extra_rules: list[Path] | None = None,
     *,
     failures: dict[int, dict[str, Any]] | None = None,
+    oom: dict[str, Any] | None = None,
     max_bytes_per_file: int | None = None,
     window: int = DEFAULT_WINDOW,
     threshold: float = DEFAULT_THRESHOLD,
     engine: str = "auto",
 ) -> dict[str, Any]:
     """Diagnose log files/dirs/globs. ``failures`` is the agent's failure info (rank -> exitcode,
-    signal, error_file_data, ...). ``max_bytes_per_file`` bounds the read to the head and the last
-    bytes of each file. Raises RuleError / SourceError for bad rules files or paths."""
+    signal, error_file_data, ...). ``oom`` is the kernel's OOM-killer evidence for the attempt
+    (``trainguard.probes.oom.OomEvidence.to_dict()``): a SIGKILL is host OOM only when it moved.
+    ``max_bytes_per_file`` bounds the read to the head and the last bytes of each file. Raises
+    RuleError / SourceError for bad rules files or paths."""
     from trainguard.diagnose.analyze import analyze
-    from trainguard.diagnose.failures import failure_hits, read_error_files
+    from trainguard.diagnose.failures import failure_hits, oom_hits, read_error_files
     from trainguard.diagnose.sources import describe, error_files, expand
 
     rules, scanner = _scanner(extra_rules, engine)
-    files = expand(paths)
+    notes: list[str] = []
+    files = expand(paths, notes)
     scans = [scanner.scan(describe(f), max_bytes_per_file) for f in files if not f.name.endswith(".json")]
     failure_info = read_error_files(error_files([Path(p) for p in paths if Path(p).exists()]))
     for rank, info in (failures or {}).items():
         failure_info[int(rank)] = {**failure_info.get(int(rank), {}), **info}
     _agent_order_first(failure_info)
-    extra = failure_hits(failure_info, rules)
+    extra = failure_hits(failure_info, rules) + oom_hits(oom, rules)
     result, first = analyze(
         scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold
     )
@@ -77,6 +83,16 @@ def diagnose_paths(
         from trainguard.diagnose.scan import context_before
 
         ff["context"] = context_before(ff["file"], off)
+    if result["category"] == "killed_external" and oom and oom.get("checked"):
+        result["summary"] = result["summary"].replace(
+            "(no OOM-killer event)", "(no OOM-killer event: the kernel's oom_kill counters did not move)"
+        )
+        result["confidence"] = "medium"
+    if oom:
+        result["oom_check"] = oom
+    notes += [n for s in scans for n in s.notes]
+    if notes:
+        result["notes"] = notes
     result["stats"] = {
         "files": len(scans),
         "bytes": sum(s.bytes for s in scans),

@@ -1,25 +1,32 @@
 """Cross-rank analysis (pure): from rule hits and progress of every file to one verdict.
 
+0. Evidence before labels: lines without a rank take the rank the launcher reports as the first
+   failure in the same file (torchrun's root cause, DeepSpeed's failing --local_rank) when it
+   names exactly one; lines about the same process (pid) share its rank. A SIGKILL is called host
+   OOM only when an OOM-killer line (kernel, scheduler, kubelet, or the agent's oom_kill counters)
+   exists for that node or process; otherwise it stays "killed from outside the job".
 1. Hits are grouped per rank into incidents (hits within ``INCIDENT_WINDOW_S`` of the incident's
    first hit). An incident is decided by its most specific hit (highest priority); its role is that
    hit's role, so a rank whose traceback ends in "Connection closed by peer" is a symptom.
-2. The first failure is the earliest incident whose role is ``cause`` (else the earliest symptom).
+2. The first failure is the earliest incident whose role is ``cause`` (else the earliest symptom);
+   an incident the launcher reports as the first observed failure comes first.
    Hits without a time (failure info) join their rank's first incident; incidents without any time
    come after timed ones, ordered by when the agent saw the failure, then by priority.
 3. Cross-rank findings: GDR on some hosts only, ranks at different epochs/steps at the end,
    collective timeouts not reported by some ranks (suspects), an error on a rank that did not exit.
 4. No failure: a slowdown from step times, a hang (ranks stopped at different steps, or stopped
-   from outside), or healthy.
+   from outside), a log that ends before its work was done (progress.py), or healthy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, detect
 from trainguard.diagnose.lines import iso
+from trainguard.diagnose.progress import stopped
 from trainguard.diagnose.rules import RuleSet
 from trainguard.diagnose.scan import Hit, Progress, SourceScan
 
@@ -55,6 +62,10 @@ class Incident:
         times = [h.failure_time for h in self.hits if h.failure_time is not None]
         return min(times) if times else None
 
+    @property
+    def root(self) -> bool:
+        return any(h.root for h in self.hits)
+
 
 def hit_dict(h: Hit) -> dict[str, Any]:
     return {
@@ -88,7 +99,9 @@ def incidents(hits: Sequence[Hit]) -> list[Incident]:
         untimed = [h for h in hs if h.time is None]
         mine: list[Incident] = []
         for h in timed:
-            if mine and h.time - mine[-1].hits[0].time <= INCIDENT_WINDOW_S:  # type: ignore[operator]
+            # A launcher's exit report ends the failure that started before it (a watchdog abort can
+            # come minutes after the timeout it reports): it joins that incident, whatever the gap.
+            if mine and (h.time - mine[-1].hits[0].time <= INCIDENT_WINDOW_S or "exit" in h.rule.tags):  # type: ignore[operator]
                 mine[-1].hits.append(h)
             else:
                 mine.append(Incident(key, [h]))
@@ -102,11 +115,59 @@ def incidents(hits: Sequence[Hit]) -> list[Incident]:
 
 
 def _order(inc: Incident) -> tuple:
-    # The agent's exit times (failure_time) order failures exactly; log times come next. A rank
-    # the agent saw fail first beats a rank that only logged losing it a moment later.
+    # The agent's exit times (failure_time) order failures exactly; then the launcher's own report
+    # of its first observed failure; then log times. A rank the agent saw fail first beats a rank
+    # that only logged losing it a moment later.
     start, ft = inc.start, inc.failure_time
     rank = inc.key[1] if inc.key[0] == "rank" else 1 << 30
-    return (ft is None, ft or 0.0, start is None, start or 0.0, -inc.best.rule.priority, rank)
+    return (ft is None, ft or 0.0, not inc.root, start is None, start or 0.0, -inc.best.rule.priority, rank)
+
+
+def attribute(hits: list[Hit]) -> None:
+    """Give rankless lines the rank the launcher reports as the first failure in their file, and
+    every line about one process the rank of that process (the elastic table knows global ranks)."""
+    pid_rank = {h.pid: (h.rank, h.host) for h in hits if h.table and h.pid is not None and h.rank is not None}
+    for h in hits:
+        if h.pid is not None and h.pid in pid_rank and not h.synthetic:
+            h.rank, h.host = pid_rank[h.pid][0], h.host or pid_rank[h.pid][1]
+    roots: dict[str, set[tuple[int, str | None]]] = {}
+    for h in hits:
+        if h.root and h.rank is not None:
+            roots.setdefault(h.file, set()).add((h.rank, h.host))
+    for h in hits:
+        found = roots.get(h.file)
+        if h.rank is None and found and len({r for r, _ in found}) == 1:
+            rank, host = next(iter(found))
+            h.rank, h.host = rank, h.host or host
+
+
+def oom_evidence(hits: list[Hit], rules: RuleSet) -> tuple[list[Hit], dict[int, list[Hit]]]:
+    """SIGKILLs with an OOM-killer line for the same process or node become host_oom; those OOM
+    lines then count as evidence of the kill, not as failures of their own."""
+    ooms = [h for h in hits if "oom_kill" in h.rule.tags]
+    kills = [h for h in hits if h.rule.category == "killed_external"]
+    used: set[int] = set()
+    evidence: dict[int, list[Hit]] = {}
+    if not ooms or not kills:
+        return hits, evidence
+    by_pid = {o.pid for o in ooms if o.pid is not None}
+    for k in kills:
+        near = [o for o in ooms if o.host is None or k.host is None or o.host == k.host]
+        if k.pid is not None and k.pid in by_pid:  # the kernel names this very process
+            match = [o for o in ooms if o.pid == k.pid] + [o for o in near if o.pid is None]
+        else:
+            others = {x.pid for x in kills if x.pid != k.pid}
+            match = [o for o in near if o.pid is None or o.pid not in others]
+        if not match:
+            continue
+        k.rule = replace(k.rule, id=k.rule.id + "+oom_kill", category="host_oom", confidence="high",
+                         summary="killed by the kernel OOM killer (host out of memory)", fix="")  # fmt: skip
+        evidence[id(k)] = match
+        used |= {id(o) for o in match}
+        for o in match:
+            if o.rank is None and k.rank is not None and o.pid is not None and o.pid == k.pid:
+                o.rank = k.rank
+    return [h for h in hits if id(h) not in used], evidence
 
 
 def _confidence(h: Hit) -> str:
@@ -233,6 +294,21 @@ def _slowdown(scans: list[SourceScan], window: int, threshold: float) -> dict[st
     }
 
 
+def _stopped(scans: list[SourceScan]) -> tuple[str, SourceScan | None] | None:
+    """A log that ends before its work was done (progress.py), with the file that shows it."""
+    if not scans or any(s.completed for s in scans):
+        return None
+    styles = set().union(*(s.styles for s in scans))
+    started = any(s.started for s in scans)
+    with_steps = [s for s in scans if s.last_step is not None]
+    for s in sorted(with_steps, key=lambda s: (not s.last_step.unfinished, str(s.source.path))):  # type: ignore[union-attr]
+        why = stopped(s.last_step, styles, False, started)
+        if why:
+            return why, s
+    why = stopped(None, styles, False, started) if not with_steps else None
+    return (why, next((s for s in scans if s.started), None)) if why else None
+
+
 def analyze(
     scans: list[SourceScan],
     extra_hits: list[Hit],
@@ -243,6 +319,8 @@ def analyze(
 ) -> tuple[dict[str, Any], Hit | None]:
     """The verdict (a JSON-able dict) and the hit it names as the first failure (None if none)."""
     hits = [h for s in scans for h in s.hits] + list(extra_hits)
+    attribute(hits)
+    hits, oom_ev = oom_evidence(hits, rules)
     facts = [h for s in scans for h in s.facts]
     ranks_seen: set[int] = set().union(*(s.ranks for s in scans)) if scans else set()
     ranks_seen |= {h.rank for h in hits if h.rank is not None}
@@ -273,13 +351,22 @@ def analyze(
         result["category"] = cat
         result["confidence"] = _confidence(best)
         result["first_failure"] = {k: v for k, v in hit_dict(best).items() if k not in ("category", "role")}
+        if best.host is None:  # another line of the same failure may name the host (the elastic table)
+            result["first_failure"]["host"] = next((h.host for h in first.hits if h.host), None)
         ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
-        ev = [best] + [h for h in ev if h is not best]
+        ev = (
+            [best]
+            + sorted(
+                {id(x): x for h in first.hits for x in oom_ev.get(id(h), [])}.values(), key=lambda h: h.order
+            )
+            + [h for h in ev if h is not best]
+        )
         result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
         result["fix"] = rules.fix_for(best.rule)
-        where = f"rank {best.rank}" if best.rank is not None else (best.host or best.file)
-        if best.host and best.rank is not None:
-            where += f" on {best.host}"
+        host = result["first_failure"]["host"]
+        where = f"rank {best.rank}" if best.rank is not None else (host or best.file)
+        if host and best.rank is not None:
+            where += f" on {host}"
         result["summary"] = f"{best.rule.summary or rules.summary_for(cat)} ({where})"
         others = [i for i in sorted(incs, key=_order) if i is not first and i.key != first.key]
         seen_keys: set[Any] = set()
@@ -314,6 +401,18 @@ def analyze(
             result.update(category="slowdown", confidence="high", fix=rules.fix_for("slowdown"),
                           summary=f"{rules.summary_for('slowdown')}: {w['message']}")  # fmt: skip
             result["evidence"] = [{"rank": slow["rank"], "line": x["message"]} for x in slow["warnings"]]
+        elif (halt := _stopped(scans)) is not None:
+            why, scan = halt
+            result.update(category="hang_no_error", confidence="low", fix=rules.fix_for("hang_no_error"),
+                          summary=f"{why} with no error and no completion line: the job hung or was "
+                                  "stopped from outside")  # fmt: skip
+            line = scan.last_step_line if scan is not None else ""
+            result["first_failure"] = {"rank": scan.source.rank if scan else None, "host": scan.source.host if scan else None,
+                                       "time": None, "line": line, "file": str(scan.source.path) if scan else None,
+                                       "line_no": None, "rule": "progress.stopped"}  # fmt: skip
+            result["evidence"] = (
+                [{"line": line, "file": str(scan.source.path)}] if scan is not None and line else []
+            )
         else:
             result.update(
                 summary=rules.summary_for("healthy"), fix=rules.fix_for("healthy"), confidence="medium"

@@ -65,6 +65,8 @@ def render(r: dict[str, Any]) -> str:
         out += [f"  {w['message']}" for w in r["slowdown"]["warnings"]]
     if r.get("fix"):
         out.append(f"fix: {r['fix']}")
+    for n in r.get("notes", []):
+        out.append(f"note: {n}")
     s = r.get("stats", {})
     out.append(f"({s.get('files', 0)} files, {s.get('bytes', 0) / 1e6:.1f} MB scanned)")
     return "\n".join(out)

@@ -49,9 +49,24 @@ def failure_hits(failures: dict[int, dict[str, Any]], rules: RuleSet, origin: st
             best = next((r for r in rules.match_line(text) if r.role != "fact"), None)
             if best is None:
                 continue
+            pid = info.get("pid") if isinstance(info.get("pid"), int) else None
             hits.append(Hit(best, int(rank), None, None, origin, None, text, text, order, synthetic=True,
-                            failure_time=float(ts) if isinstance(ts, int | float) else None))  # fmt: skip
+                            failure_time=float(ts) if isinstance(ts, int | float) else None, pid=pid))  # fmt: skip
     return hits
+
+
+def oom_hits(oom: dict[str, Any] | None, rules: RuleSet, origin: str = "<agent>") -> list[Hit]:
+    """The agent's OOM-killer check as an evidence line: present only when the counters moved."""
+    if not isinstance(oom, dict) or not oom.get("moved"):
+        return []
+    text = f"oom_kill event: the kernel's oom_kill counter rose by {oom.get('delta', 1)} during this attempt"
+    sources = oom.get("sources") or []
+    if sources:
+        text += f" ({', '.join(map(str, sources))[:200]})"
+    best = next((r for r in rules.match_line(text) if r.role != "fact"), None)
+    if best is None:
+        return []
+    return [Hit(best, None, None, None, origin, None, text, text, 0, synthetic=True)]
 
 
 _ERROR_FILE_RANK = re.compile(r"error-(\d+)\.json$")

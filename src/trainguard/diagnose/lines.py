@@ -1,9 +1,11 @@
 """Split one log line into (time, rank, host, message).
 
 Understands the prefixes training logs carry, outermost first:
-``[pod/NAME/CONTAINER] `` (kubectl logs --prefix), an ISO timestamp with optional zone and CRI
+a viewer's line number ``[80746] ``, Ray's ``(WorkerDict pid=88231, ip=10.2.3.14) ``, a runner's
+``NAME [stderr] `` tag, ``[pod/NAME/CONTAINER] `` (kubectl logs --prefix), an ISO timestamp with optional zone and CRI
 ``stdout F`` marker (trainguard's per-rank logs, containerd, python logging), torchrun's
-``[rankN]:`` / ``[defaultN]:``, glog/torch-elastic ``E1206 18:44:12.715298 PID file:line] ``,
+``[rankN]:`` / ``[defaultN]:``, glog/torch-elastic ``E1206 18:44:12.715298 PID file:line] `` (also
+bracketed, ``[E1206 18:44:12.715298746 file:line]``),
 syslog ``Nov 21 09:30:01 HOST proc:``, ``dmesg -T`` ``[Fri Nov 20 10:30:41 2026]``, and inside the message NCCL's ``HOST:PID:TID [dev] NCCL``.
 Pure functions: no I/O.
 """
@@ -18,11 +20,15 @@ from datetime import UTC, datetime
 _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
 
 _PREFIX = re.compile(
+    r"(?:\[\d{2,9}\] (?=\S))?"  # a log viewer's line number
+    r"(?:\((?:\w+) pid=\d+(?:, ip=(?P<ray>[\w.:-]+))?\) )?"  # Ray actor/task output
+    r"(?:\S+ \[(?:stdout|stderr)\] )?"  # runner tag: "bench.node [stderr] "
     r"(?:\[pod/(?P<pod>[^/\]\s]+)/[^\]\s]*\]\s*)?"
     r"(?:\[?(?P<iso>(?P<Y>\d{4})-(?P<M>\d\d)-(?P<D>\d\d)[T ](?P<h>\d\d):(?P<m>\d\d):(?P<s>\d\d)(?:[.,](?P<f>\d{1,9}))?)"
-    r"(?:Z|[+-]\d\d:?\d\d)?\]?\s*(?:(?:stdout|stderr) [FP] )?)?"
+    r"(?:Z|[+-]\d\d:?\d\d)?\]?\s*(?:(?:stdout|stderr) [FP] )?"
+    r"(?:(?:INFO|ERROR|WARN(?:ING)?|DEBUG|CRITICAL|FATAL)\s+(?=\S))?)?"  # a level word after the time
     r"(?:\[(?:rank|default)(?P<rank>\d+)\]:\s?)?(?:\[(?:rank|default)\d+\]:\s?)*"
-    r"(?:(?P<glog>[IWEF])(?P<gM>\d\d)(?P<gD>\d\d) (?P<gh>\d\d):(?P<gm>\d\d):(?P<gs>\d\d)\.(?P<gf>\d{1,9})\s+\d+\s+)?"
+    r"(?:\[?(?P<glog>[IWEF])(?P<gM>\d{1,2})(?P<gD>\d\d) (?P<gh>\d\d):(?P<gm>\d\d):(?P<gs>\d\d)\.(?P<gf>\d{1,9})\s+(?:\d+\s+)?)?"
 )
 # ISO-like timestamp somewhere near the start of the message (HF `[INFO|trainer.py:10] 2024-...`,
 # python logging `[2024-04-26 13:57:20,757][INFO]`, DeepSpeed `[2024-...] [INFO] ...`).
@@ -38,7 +44,7 @@ _DMESG_T = re.compile(
     r"\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<mon>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +(?P<D>\d{1,2}) "
     r"(?P<h>\d\d):(?P<m>\d\d):(?P<s>\d\d) (?P<Y>\d{4})\]\s*"
 )
-_NCCL_HOST = re.compile(r"(?P<host>[A-Za-z][\w.-]*):\d+:\d+ \[\d+\] (?:\S+:\d+ )?NCCL ")
+_NCCL_HOST = re.compile(r"(?P<host>[A-Za-z][\w.-]*):(?P<pid>\d+):\d+ \[\d+\] (?:\S+:\d+ )?NCCL ")
 _RANK_IN_TEXT = re.compile(r"\b[Rr]ank[\s:=\[]{0,3}(\d{1,6})\b")
 
 
@@ -48,6 +54,7 @@ class LineInfo:
     rank: int | None
     host: str | None
     message: str
+    pid: int | None = None  # the process that wrote it, where the line says (NCCL's host:pid:tid)
 
 
 def _seconds(y: int, mo: int, d: int, h: int, mi: int, s: int, frac: str | None) -> float | None:
@@ -82,7 +89,7 @@ def parse_line(line: str, default_year: int = 1970) -> LineInfo:
     msg = line
     if m is not None and m.end() > 0:
         g = m.groupdict()
-        host = g["pod"]
+        host = g["pod"] or g["ray"]
         if g["iso"]:
             t = _from_groups(g, default_year)
         if g["rank"]:
@@ -112,9 +119,11 @@ def parse_line(line: str, default_year: int = 1970) -> LineInfo:
             if a is not None:
                 t = _from_groups(a.groupdict(), default_year)
     n = _NCCL_HOST.search(msg, 0, 200) if "NCCL" in msg else None
-    if n is not None and host is None:
-        host = n["host"]
-    return LineInfo(t, rank, host, msg)
+    pid = None
+    if n is not None:
+        host = host or n["host"]
+        pid = int(n["pid"])
+    return LineInfo(t, rank, host, msg, pid)
 
 
 def rank_in_text(message: str) -> int | None:

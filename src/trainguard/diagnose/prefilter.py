@@ -58,6 +58,7 @@ class Prefilter:
         )
         if not kws:
             raise ValueError("no keywords")
+        self.keywords = [k.decode("utf-8") for k in kws]  # the kept ones, by id (shortest forms)
         if engine == "auto":
             engine = "hyperscan" if _hs is not None else "re"
         self.engine = engine
@@ -77,43 +78,71 @@ class Prefilter:
         elif engine != "re":
             raise ValueError(f"unknown prefilter engine {engine!r}")
 
-    def lines(self, buf: bytes) -> Iterator[tuple[int, int]]:
+    def lines(self, buf: bytes | bytearray, size: int | None = None) -> Iterator[tuple[int, int]]:
+        """Lines of ``buf[:size]`` (all of it by default)."""
         if self._db is not None:
-            yield from self._lines_hs(buf)
+            for start, end, _ in self.lines_ids(buf, size):
+                yield start, end
             return
         search, find, rfind = self._re.search, buf.find, buf.rfind
-        pos, n = 0, len(buf)
+        pos, n = 0, len(buf) if size is None else size
         while pos < n:
-            m = search(buf, pos)
+            m = search(buf, pos, n)
             if m is None:
                 return
             start = rfind(b"\n", 0, m.start()) + 1
-            end = find(b"\n", m.end())
+            end = find(b"\n", m.end(), n)
             if end < 0:
                 end = n
             yield start, end
             pos = end + 1
 
-    def _lines_hs(self, buf: bytes) -> Iterator[tuple[int, int]]:
+    def positions(self, buf: bytes, limit: int) -> list[int]:
+        """Start offsets of up to ``limit`` keyword occurrences in ``buf`` (used on huge single lines)."""
+        out = []
+        for m in self._re.finditer(buf):
+            out.append(m.start())
+            if len(out) >= limit:
+                break
+        return out
+
+    def lines_ids(
+        self, buf: bytes | bytearray, size: int | None = None
+    ) -> Iterator[tuple[int, int, set[int] | None]]:
+        """Like ``lines``, with the ids (indexes into ``keywords``) of the keywords found in each line
+        where the engine reports them (hyperscan); None where it does not (re)."""
+        if self._db is None:
+            for start, end in self.lines(buf, size):
+                yield start, end, None
+            return
+        n = len(buf) if size is None else size
         ends: list[int] = []
-        state = [-1]  # end of the last line reported: later hits in that line are skipped
+        ids: dict[int, set[int]] = {}
+        state = [-1]  # end of the line the last hit was in
         find = buf.find
 
-        def on_match(_id: int, _from: int, to: int, _flags: int, _ctx: object) -> None:
-            if to <= state[0]:
-                return None
-            e = find(b"\n", to - 1)
-            state[0] = len(buf) if e < 0 else e
-            ends.append(state[0])
+        def on_match(kid: int, _from: int, to: int, _flags: int, _ctx: object) -> None:
+            if to > state[0]:
+                e = find(b"\n", to - 1, n)
+                state[0] = n if e < 0 else e
+                ends.append(state[0])
+                ids[state[0]] = {kid}
+            else:
+                ids[state[0]].add(kid)
             return None
 
-        self._db.scan(buf, match_event_handler=on_match)
+        if n == len(buf):
+            self._db.scan(buf, match_event_handler=on_match)
+        else:
+            with memoryview(buf)[:n] as part:
+                self._db.scan(part, match_event_handler=on_match)
         prev_end = -1
         for end in sorted(set(ends)):  # hits arrive in end order; sets guard against duplicates
             if end <= prev_end:
                 continue
+            found = ids[end]
             start = buf.rfind(b"\n", 0, end) + 1 if end > 0 else 0
-            if end < len(buf) and buf[end : end + 1] != b"\n":
-                end = len(buf)
-            yield start, end
+            if end < n and buf[end : end + 1] != b"\n":
+                end = n
+            yield start, end, found
             prev_end = end

@@ -1,9 +1,12 @@
 """Scan one log file: rule hits on candidate lines, and progress/step times from its tail.
 
 The whole file goes through the keyword prefilter in big chunks; only candidate lines are decoded,
-split into prefix fields and matched against the rules. The tail (last ``TAIL_BYTES``) is read
-line by line for the last epoch/step of each rank, the time of each rank's last line, and step
-times for slowdown detection.
+split into prefix fields and matched against the rules. Fact lines feed the launcher context
+(attribution.py) that gives unprefixed lines their rank and host. A line longer than ``MAX_LINE``
+is matched in windows around its keywords, so text far into a huge line is still found. The tail
+(last ``TAIL_BYTES``) is read line by line for the last epoch/step of each rank, the time of each
+rank's last line, step times for slowdown detection, NaN/Inf in the training numbers
+(nanwatch.py) and how far the training got (progress.py).
 """
 
 from __future__ import annotations
@@ -11,18 +14,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from trainguard.diagnose.lines import parse_line, rank_in_text
+from trainguard.diagnose.attribution import Attribution, Who
+from trainguard.diagnose.lines import _NCCL_HOST, LineInfo, parse_line, rank_in_text
+from trainguard.diagnose.nanwatch import NanWatch
 from trainguard.diagnose.prefilter import Prefilter
+from trainguard.diagnose.progress import Step, step_of
 from trainguard.diagnose.rules import Rule, RuleSet
 from trainguard.diagnose.sources import Source, read_chunks
 from trainguard.diagnose.steplog import StepTimer, parse_step
 
 TAIL_BYTES = 256 << 10
-MAX_LINE = 8192  # characters of a line kept for matching and evidence
+MAX_LINE = 8192  # characters of a line kept for matching and evidence (longer: windows, see above)
+MAX_WINDOWS = 64  # keyword windows tried in one huge line
 MAX_HITS = 5000  # per file, per kind (hits, facts): bounded memory on error storms
 MAX_STEP_SAMPLES = 4096
 _EPOCH = re.compile(r"\b[Ee]poch\b\W{0,3}(\d+)")
-_SUMMARY_REACH = 6  # candidate lines after an elastic summary "rank :" line that it applies to
+_YEAR = re.compile(rb"\b((?:19|20)\d\d)-[01]\d-[0-3]\d[T _]\d\d:\d\d")
 
 
 @dataclass
@@ -39,6 +46,9 @@ class Hit:
     synthetic: bool = False  # made from failure info (exit codes, error files), not a log line
     failure_time: float | None = None  # for synthetic hits: when the agent saw the failure
     offset: int | None = None  # byte offset of the line in its (uncompressed, plain) file
+    pid: int | None = None  # the process the line is about (exit reports, OOM kills, NCCL lines)
+    root: bool = False  # the launcher reports this as the first observed failure
+    table: bool = False  # part of torch elastic's failure table
 
 
 @dataclass
@@ -60,6 +70,12 @@ class SourceScan:
     ranks: set[int] = field(default_factory=set)
     bytes: int = 0
     dropped_hits: int = 0
+    last_step: Step | None = None  # the last progress line of the file (progress.py)
+    last_step_line: str = ""
+    styles: set[str] = field(default_factory=set)  # frameworks recognised from the progress lines
+    completed: bool = False  # a completion line (rules tagged "completion")
+    started: bool = False  # a start-up marker (rules tagged "startup")
+    notes: list[str] = field(default_factory=list)  # what could not be read, and why
 
 
 def _decode(b: bytes) -> str:
@@ -80,81 +96,174 @@ def context_before(path: str, offset: int, lines: int = 8, reach: int = 8192) ->
     return [t[:MAX_LINE] for t in text if t.strip()][-lines:]
 
 
+def _groups(m) -> dict[str, str | None]:
+    try:
+        return m.groupdict()
+    except AttributeError:  # pragma: no cover - engines without named groups
+        return {}
+
+
 class Scanner:
     def __init__(self, rules: RuleSet, engine: str = "auto") -> None:
-        self.rules = rules
+        self.all_rules = rules
+        self._startup = [r for r in rules.rules if "startup" in r.tags]
+        self.rules = rules = rules.for_logs()
         self.prefilter = Prefilter(rules.keywords(), engine)
-        self._fact_rules = [r for r in rules.rules if r.role == "fact"]
+        self.text_prefilter = Prefilter(self.all_rules.keywords(), engine)
+        # Keywords that only ever lead to facts (NCCL init lines, table fields, markers): such lines
+        # take a short path (no time or rank parsing), which keeps chatty NCCL INFO logs fast.
+        sup = rules._index()[2]
+        self._fact_only = {
+            i
+            for i, k in enumerate(self.prefilter.keywords)
+            if all(rules.rules[j].role == "fact" for j in sup.get(k, ()))
+        }
+        self._nan_rule = rules.by_id("nan.watch")
+
+    def _candidates(self, raw: bytes) -> list[tuple[str, bool]]:
+        """(text, windowed) pieces of one candidate line to match: the line, or keyword windows of it."""
+        if len(raw) <= MAX_LINE:
+            return [(_decode(raw).rstrip("\r"), False)]
+        out, last_end = [], -1
+        for pos in self.prefilter.positions(raw, MAX_WINDOWS):
+            lo = max(0, pos - MAX_LINE // 2)
+            if lo < last_end:
+                continue
+            last_end = lo + MAX_LINE
+            text = raw[lo:last_end].decode("utf-8", errors="replace").replace("\x00", "")
+            out.append(("…" + text + "…" if lo else text + "…", True))
+        return out
 
     def scan(self, source: Source, max_bytes: int | None = None) -> SourceScan:
         out = SourceScan(source)
         file = str(source.path)
+        year = source.year
+        ctx = Attribution()
         tail: list[bytes] = []
         tail_len = 0
-        pending: tuple[int | None, str | None, int] = (None, None, -1)  # elastic summary rank, host, until
         order = 0
-        for chunk in read_chunks(source.path, max_bytes):
-            buf = chunk.data
-            out.bytes += len(buf)
-            tail.append(buf)
-            tail_len += len(buf)
+        for chunk in read_chunks(source.path, max_bytes, out.notes):
+            buf, size = chunk.data, chunk.end  # buf is used again for the next chunk: copy what is kept
+            if out.bytes == 0:  # the log's own year dates glog/syslog lines (they have none)
+                y = _YEAR.search(buf, 0, min(size, 1 << 16))
+                year = int(y.group(1)) if y else year
+            out.bytes += size
+            tail.append(bytes(buf[max(0, size - TAIL_BYTES) : size]))
+            tail_len += len(tail[-1])
             while tail_len - len(tail[0]) >= TAIL_BYTES:
                 tail_len -= len(tail.pop(0))
             counted, line_no = 0, chunk.start_line
-            for start, end in self.prefilter.lines(buf):
+            kws = self.prefilter.keywords
+            for start, end, ids in self.prefilter.lines_ids(buf, size):
                 if line_no is not None:
                     line_no += buf.count(b"\n", counted, start)
                     counted = start
                 order += 1
-                text = _decode(buf[start:end]).rstrip("\r")
-                info = parse_line(text, source.year)
-                matched = self.rules.match_line(info.message)
-                if not matched:
+                raw = buf[start:end]
+                found = None if ids is None or len(raw) > MAX_LINE else [kws[i] for i in ids]
+                if found is not None and ids <= self._fact_only:
+                    self._fact_line(out, ctx, _decode(raw).rstrip("\r"), found, file, order)
                     continue
-                rank = info.rank if info.rank is not None else source.rank
-                if rank is None:
-                    rank = rank_in_text(info.message)
-                host = info.host or source.host
-                ln = None if line_no is None else line_no + 1
-                off = None if chunk.offset is None else chunk.offset + start
-                for r in matched:
-                    if r.role != "fact":
+                head = parse_line(_decode(raw[:4096]).rstrip("\r"), year) if len(raw) > MAX_LINE else None
+                for text, windowed in self._candidates(raw):
+                    info = (
+                        parse_line(text, year)
+                        if head is None
+                        else LineInfo(head.time, head.rank, head.host, text, head.pid)
+                    )
+                    matched = self.rules.match_rules(info.message, found)
+                    if not matched:
                         continue
-                    if r.id == "elastic.summary_rank":
-                        m = r.pattern.search(info.message)
-                        pending = (int(m["rank"]), pending[1], order + _SUMMARY_REACH)
-                    elif r.id == "elastic.summary_host":
-                        m = r.pattern.search(info.message)
-                        pending = (pending[0], m["host"], order + _SUMMARY_REACH)
-                    elif len(out.facts) < MAX_HITS:
-                        out.facts.append(Hit(r, rank, host, info.time, file, ln, text, info.message, order))
-                best = next((r for r in matched if r.role != "fact"), None)
-                if best is None:
-                    continue
-                if best.id.startswith("launcher.") and order <= pending[2] and info.rank is None:
-                    rank = pending[0] if pending[0] is not None else rank
-                    host = pending[1] or host
-                if len(out.hits) >= MAX_HITS:
-                    out.dropped_hits += 1
-                    continue
-                out.hits.append(
-                    Hit(best, rank, host, info.time, file, ln, text, info.message, order, offset=off)
-                )
-                if rank is not None:
-                    out.ranks.add(rank)
+                    ln = None if line_no is None else line_no + 1
+                    off = None if chunk.offset is None else chunk.offset + start
+                    self._line(out, ctx, info, matched, text, file, ln, off, order)
+                    if windowed:
+                        break
         if source.rank is not None:
             out.ranks.add(source.rank)
-        self._scan_tail(b"".join(tail)[-TAIL_BYTES:], out)
+        self._scan_tail(b"".join(tail)[-TAIL_BYTES:], out, year)
+        unranked = {(h.host, h.pid) for h in out.hits if h.rank is None and h.pid is not None and h.host}
+        if unranked:
+            self._nccl_ranks(out, unranked, max_bytes)
         return out
 
-    def _scan_tail(self, data: bytes, out: SourceScan) -> None:
+    def _nccl_ranks(self, out: SourceScan, procs: set[tuple[str, int]], max_bytes: int | None) -> None:
+        """NCCL lines name a process (host:pid), not a rank. Its communicator init line does
+        (``host:pid:tid [dev] NCCL INFO comm 0x.. rank R nranks N``): read the file again for those
+        processes only, which costs nothing when no unranked NCCL error was found."""
+        alts = b"|".join(re.escape(f"{h}:{p}:".encode()) for h, p in sorted(procs))
+        comm = re.compile(
+            rb"(?:^|[\s\]])(" + alts + rb")\d+ \[\d+\] NCCL INFO comm 0x[0-9a-f]+ rank (\d+) nranks \d+"
+        )
+        ranks: dict[tuple[str, int], int] = {}
+        for chunk in read_chunks(out.source.path, max_bytes):
+            for m in comm.finditer(chunk.data, 0, chunk.end):
+                host, pid = m.group(1).decode().rstrip(":").rsplit(":", 1)
+                ranks.setdefault((host, int(pid)), int(m.group(2)))
+            if len(ranks) == len(procs):
+                break
+        for h in out.hits:
+            if h.rank is None and (h.host, h.pid) in ranks:
+                h.rank = ranks[(h.host, h.pid)]
+                out.ranks.add(h.rank)
+
+    def _fact_line(
+        self, out: SourceScan, ctx: Attribution, text: str, found: list[str], file: str, order: int
+    ) -> None:
+        """A line that can only match facts: its NCCL host/pid and the facts' groups are all it gives."""
+        n = _NCCL_HOST.search(text, 0, 300) if "NCCL" in text else None
+        host, pid = (n["host"], int(n["pid"])) if n else (None, None)
+        matched = self.rules.match_rules(text, found)
+        if matched:
+            info = LineInfo(None, None, host, text, pid)
+            self._line(out, ctx, info, matched, text, file, None, None, order)
+
+    def _line(self, out: SourceScan, ctx: Attribution, info: LineInfo, matched: list[tuple[Rule, object]],
+              text: str, file: str, ln: int | None, off: int | None, order: int) -> None:  # fmt: skip
+        for r, m in matched:
+            if r.role != "fact":
+                continue
+            if "completion" in r.tags:
+                out.completed = True
+            elif "startup" in r.tags:
+                out.started = True
+            groups = {k: v for k, v in _groups(m).items() if v is not None}
+            if groups:
+                ctx.fact(groups, order, info.host, info.pid)
+            elif len(out.facts) < MAX_HITS and not r.tags:
+                out.facts.append(Hit(r, self._rank(info, out.source, Who()), info.host or out.source.host,
+                                     info.time, file, ln, text, info.message, order))  # fmt: skip
+        best, bm = next(((r, m) for r, m in matched if r.role != "fact"), (None, None))
+        if best is None:
+            return
+        who = ctx.resolve(info.message, order, info.host, info.pid)
+        blamed = next((v for k, v in _groups(bm).items() if k.startswith("rank") and v is not None), None)
+        rank = int(blamed) if blamed is not None else self._rank(info, out.source, who)
+        host = info.host or who.host or out.source.host
+        if len(out.hits) >= MAX_HITS:
+            out.dropped_hits += 1
+            return
+        out.hits.append(Hit(best, rank, host, info.time, file, ln, text, info.message, order, offset=off,
+                            pid=who.pid if who.pid is not None else info.pid, root=who.root and "exit" in best.tags, table=who.table))  # fmt: skip
+        if rank is not None:
+            out.ranks.add(rank)
+
+    @staticmethod
+    def _rank(info: LineInfo, source: Source, who: Who) -> int | None:
+        for r in (info.rank, source.rank, who.rank):
+            if r is not None:
+                return r
+        return rank_in_text(info.message)
+
+    def _scan_tail(self, data: bytes, out: SourceScan, year: int) -> None:
         src = out.source
         timers: dict[int | None, StepTimer] = {}
+        nan = NanWatch()
         text = data.decode("utf-8", errors="replace")
         for raw in re.split(r"[\r\n]+", text):
             if not raw or len(raw) > MAX_LINE:
                 continue
-            info = parse_line(raw, src.year)
+            info = parse_line(raw, year)
             msg = info.message
             rank = info.rank if info.rank is not None else src.rank
             if rank is None and ("ank" in msg):
@@ -163,6 +272,17 @@ class Scanner:
                 out.ranks.add(rank)
             if info.time is not None:
                 out.last_time[rank] = info.time
+            if not out.started and any(r.match(msg) for r in self._startup):
+                out.started = True
+            st = step_of(msg)
+            if st is not None:
+                out.last_step, out.last_step_line = st, raw
+                out.styles.add(st.style)
+            watched = nan.feed(rank, msg)
+            if watched and self._nan_rule is not None and len(out.hits) < MAX_HITS:
+                out.hits.append(Hit(self._nan_rule, rank, info.host or src.host, info.time, str(src.path), None,
+                                    nan.anchor or raw, watched, order=1 << 30))  # fmt: skip
+                nan.anchor = None
             obs = parse_step(msg, info.time)
             e = _EPOCH.search(msg) if ("poch" in msg) else None
             if obs is None and e is None:

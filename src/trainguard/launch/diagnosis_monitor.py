@@ -5,6 +5,11 @@ first MB and the last ``--diagnose-max-mb`` of each file) together with the agen
 (exit codes, signals, error files: strong evidence, e.g. SIGKILL means not the user's code), emits
 one ``diagnosis`` event (rank = first failing rank, evidence = the diagnosis) and returns it as a
 ``Diagnosis`` for the policy.
+
+A SIGKILL with a silent log is host OOM only when the kernel says so: the kernel's ``oom_kill``
+counters (the workers' cgroups, else /proc/vmstat) are read when workers start and again when they
+fail (probes/oom.py); the diagnosis gets the difference, so an outside ``kill -9`` reads
+"killed from outside the job", not host_oom.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Categories where the job can not go on by itself: an error event. The rest are warnings.
 _ERROR_CATEGORIES = {"gpu_hardware", "cuda_oom", "host_oom", "disk_full_or_io", "segfault", "python_exception",
-                     "nan_loss", "cuda_error_other", "dataloader", "rendezvous_failure"}  # fmt: skip
+                     "nan_loss", "cuda_error_other", "dataloader", "rendezvous_failure", "killed_external"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,21 @@ class DiagnosisMonitor(Monitor):
     def __init__(self, rules: list[Path], max_bytes: int) -> None:
         self.rules = rules
         self.max_bytes = max_bytes
+        self._oom_files: list[str] = []
+        self._oom_before = None
+
+    def on_workers_started(self, ctx: MonitorContext) -> None:
+        from trainguard.probes import oom
+
+        self._oom_files = oom.files_for(w.pid for w in ctx.workers)  # while the workers live
+        self._oom_before = oom.read_counters(self._oom_files)
+
+    def _oom_evidence(self) -> dict[str, Any] | None:
+        from trainguard.probes import oom
+
+        if self._oom_before is None:
+            return None
+        return oom.compare(self._oom_before, oom.read_counters(self._oom_files)).to_dict()
 
     def diagnose(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> Diagnosis:
         from trainguard.diagnose import diagnose_paths
@@ -97,7 +117,7 @@ class DiagnosisMonitor(Monitor):
             for r, i in info.items():
                 if not i.get("message") and failures[r].log_tail:
                     i["message"] = "\n".join(str(x) for x in failures[r].log_tail[-20:])
-        result = diagnose_paths(paths, self.rules or None, failures=info,
+        result = diagnose_paths(paths, self.rules or None, failures=info, oom=self._oom_evidence(),
                                 max_bytes_per_file=self.max_bytes)  # fmt: skip
         if not paths:  # no rank logs (yet): the agent's log tails are all there is
             result["note"] = f"no rank logs under {logs}"

@@ -10,23 +10,16 @@ only lost its peer, the real failure is on another node.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 
 from torch.distributed.elastic.agent.server.api import RunResult
 
+from trainguard.diagnose import classify_text
 from trainguard.events import EventBus, Severity
 from trainguard.evidence import RankFailure
 from trainguard.exitcodes import signal_name
 from trainguard.launch.logs import tail
 from trainguard.launch.pcontext import TrainguardPContext
-
-# What a rank prints when it fails only because a peer died first (gloo, NCCL, c10d store).
-PEER_LOSS = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
-    r"|communicator was aborted|NCCL communicator.*abort|Socket Timeout|failed to recv, got 0 bytes",
-    re.IGNORECASE,
-)
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,8 @@ def collect(result: RunResult, procs: TrainguardPContext | None) -> dict[int, Ra
 
 def lost_peer(f: RankFailure) -> bool:
     """A failure that only reports losing a peer (which failed before it)."""
-    return bool(PEER_LOSS.search("\n".join([str(f.message or ""), *f.log_tail[-15:]])))
+    # The diagnosis rules say which lines mean "lost a peer" (gloo, NCCL, c10d store): one source.
+    return classify_text([str(f.message or ""), *f.log_tail[-15:]]).peer_loss
 
 
 def order(everything: dict[int, RankFailure]) -> FailureSet:
