@@ -15,6 +15,7 @@ import torch
 
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import Checkpointer
+from trainguard.checkpoint.format import FORMAT
 from trainguard.checkpoint.shm import (
     COMPLETE,
     WRITING,
@@ -152,7 +153,7 @@ def test_checkpoint_pinned_slot_is_not_overwritten(monitor):
 
 def test_checkpoint_persist_discards_a_snapshot_overwritten_midway(tmp_path):
     data = memoryview(bytes(1000))
-    meta = {"format": "trainguard-ckpt/1", "rank": 0, "step": 5, "tree": {"T": 0}, "tensors": []}
+    meta = {"format": FORMAT, "rank": 0, "step": 5, "tree": {"T": 0}, "tensors": []}
     with pytest.raises(disk.SnapshotChanged):
         disk.write_checkpoint(tmp_path, meta, data, still_valid=lambda: False)
     assert list(tmp_path.iterdir()) == []  # no temp file, no step dir
@@ -187,7 +188,7 @@ def test_checkpoint_corrupt_newest_falls_back_with_warning_event(monitor):
 def test_checkpoint_partial_newest_is_skipped(tmp_path, damage):
     for step in (1, 2):
         tree_tensors = {
-            "format": "trainguard-ckpt/1",
+            "format": FORMAT,
             "rank": 0,
             "world_size": 1,
             "step": step,
@@ -202,7 +203,7 @@ def test_checkpoint_partial_newest_is_skipped(tmp_path, damage):
     elif damage == "no_manifest":
         (sdir / disk.manifest_name(0)).unlink()
     elif damage == "bad_manifest":
-        (sdir / disk.manifest_name(0)).write_bytes(b'{"format": "trainguard-ckpt/1", "tree"')
+        (sdir / disk.manifest_name(0)).write_bytes(b'{"format": "trainguard-ckpt/2", "tree"')
     else:
         (sdir / disk.data_name(0)).unlink()
     shm = make_shm_dir(tmp_path)
