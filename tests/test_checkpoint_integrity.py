@@ -104,6 +104,8 @@ def seal(body: bytes) -> bytes:
 def edit(path: Path, change) -> None:
     """Edit the JSON as a person with an editor would: the checksum line stays as it was."""
     body, sep, tail = path.read_bytes().rpartition(SEAL)
+    if not sep:  # a manifest without a checksum line (as trainguard-ckpt/1 wrote them)
+        body, tail = tail, b""
     meta = json.loads(body)
     change(meta)
     path.write_bytes(json.dumps(meta, separators=(",", ":")).encode() + sep + tail)

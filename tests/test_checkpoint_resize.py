@@ -93,6 +93,8 @@ def test_checkpoint_ddp_job_resumes_after_a_3_to_2_node_shrink(jobs, tmp_path, s
     [loaded] = [e for e in events(run, "checkpoint_loaded") if e.evidence.get("world_size") == 2]
     assert loaded.evidence["saved_world_size"] == 3 and loaded.evidence["mode"] == "replicated"
     assert loaded.evidence["step"] == step
+    # The surviving nodes still held their old ranks' newest snapshots in shared memory.
+    assert loaded.evidence["source"] == "memory", loaded.evidence
     assert not events(run, "checkpoint_incompatible")
 
 
