@@ -104,8 +104,15 @@ class _Pending:
     manifest_len: int
     data_len: int
     events: list[Any]
-    cpu_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
+    data: torch.Tensor | None = None  # the slot's data region
+    # (byte offset in ``data``, bytes, source tensor, its version counter at save)
+    cpu_copies: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    waited: bool = False  # the training thread waits for it: the helper must not run at idle priority
+
+
+class _StateChanged(Exception):
+    """A tensor was changed in place while its overlapped copy was pending."""
 
 
 class Checkpointer:
@@ -126,6 +133,10 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._completer: queue.Queue[_Pending | None] | None = None
         self._failing = False
+        self._overlap_off = False
+        self._helper_tid: int | None = None
+        self._helper_idle = False
+        self._priority_lock = threading.Lock()
         self._old_world_dropped = False
         self._lock = threading.Lock()
         self._adopt_existing_slots()
@@ -193,11 +204,13 @@ class Checkpointer:
         """Snapshot ``state`` into shared memory. True when taken; False when skipped or failed
         (reported as an event; training goes on). Raises TypeError for values it cannot store.
 
-        ``overlap`` (default: env TRAINGUARD_CKPT_OVERLAP=1, else off): CPU tensors are copied by a
-        helper thread while training goes on; the next optimizer step, and the next forward of a
-        module that has buffers (BatchNorm statistics, DDP's buffer broadcast), wait until the copy
-        is done, so the snapshot is still exactly the state at this call. Only in-place changes to
-        state tensors made elsewhere before the next optimizer step would leak into it."""
+        ``overlap`` (default on; env TRAINGUARD_CKPT_OVERLAP=0 turns it off): CPU tensors are copied
+        by a helper thread, at idle CPU priority, while training goes on; the next optimizer step,
+        and the next forward of a module that has buffers (BatchNorm statistics, DDP's buffer
+        broadcast), wait until the copy is done (the helper then runs at normal priority), so the
+        snapshot is still exactly the state at this call. An in-place change made elsewhere before
+        the copy (seen by the tensors' version counters) discards that snapshot, reports
+        ``checkpoint_overlap_off`` and makes later saves copy inside this call."""
         tree, tensors = flatten(state)
         entries, data_len = plan_layout(tensors)
         meta = {"format": FORMAT, "rank": self.rank, "world_size": self.world, "step": int(step),
@@ -206,7 +219,8 @@ class Checkpointer:
         raw = encode_manifest(meta)
         manifest_off, data_off = payload_offsets(len(raw))
         if overlap is None:
-            overlap = os.environ.get(ENV_OVERLAP, "0") == "1"
+            overlap = os.environ.get(ENV_OVERLAP, "1") == "1"
+        overlap = overlap and not self._overlap_off
         with self._lock:
             try:
                 self._wait_pending()
@@ -219,8 +233,9 @@ class Checkpointer:
                 slot.begin_write(self._seq)
                 slot.mm[manifest_off : manifest_off + len(raw)] = raw
                 buf = self._buf(index)
-                pending = _Pending(index, self._seq, int(step), len(raw), data_len, [])
-                self._copy_tensors(buf[data_off : data_off + data_len], entries, tensors, index, pending, overlap)
+                pending = _Pending(index, self._seq, int(step), len(raw), data_len, [],
+                                   buf[data_off : data_off + data_len])
+                self._copy_tensors(pending.data, entries, tensors, index, pending, overlap)
                 if pending.events or pending.cpu_copies:
                     if pending.cpu_copies:
                         _install_guards(self)
@@ -282,14 +297,15 @@ class Checkpointer:
         for e, t in zip(entries, tensors, strict=True):
             if e.nbytes == 0:
                 continue
+            if overlap and t.device.type == "cpu":  # views are made by the helper, not here
+                pending.cpu_copies.append((e.offset, e.nbytes, t, t._version))
+                continue
             dst = data[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape)
             if t.device.type == "cuda":
                 if not self._pinned[index]:
                     self._pinned[index] = _cuda_host_register(self._buf(index))
                 dst.copy_(t, non_blocking=True)
                 devices.add(t.device)
-            elif overlap:
-                pending.cpu_copies.append((dst, t))
             else:
                 dst.copy_(t)
         for dev in devices:
@@ -337,21 +353,64 @@ class Checkpointer:
 
     def _complete_loop(self) -> None:
         assert self._completer is not None
+        self._helper_tid = threading.get_native_id()
         while (p := self._completer.get()) is not None:
             try:
-                for dst, src in p.cpu_copies:
-                    _copy_cpu(dst, src)
-                p.cpu_copies.clear()
+                if p.cpu_copies:
+                    self._helper_priority(idle=True)  # overlapped: only the CPU training leaves idle
+                    if p.waited:  # the training thread got there first
+                        self._helper_priority(idle=False)
+                    self._copy_pending(p)
                 for ev in p.events:
                     ev.synchronize()  # off the training thread: waits for the D2H copy only
                 self._publish(p)
+            except _StateChanged as exc:
+                self._overlap_off = True
+                self._report("checkpoint_overlap_off", "warning",
+                             f"rank {self.rank}: snapshot of step {p.step} discarded: {exc}, an in-place change outside "
+                             "optimizer.step() and module forward; later snapshots are copied inside save()",
+                             {"step": p.step, "error": str(exc)})
             except Exception as exc:
                 self._note_failure(p.step, exc)
             finally:
+                p.cpu_copies.clear()
                 p.done.set()
+
+    def _copy_pending(self, p: _Pending) -> None:
+        assert p.data is not None
+        base = p.data.data_ptr()
+        for offset, nbytes, src, version in p.cpu_copies:
+            if src.is_contiguous() and not src.is_conj() and not src.is_neg():
+                # One plain memmove: releases the GIL and, unlike copy_ from a second thread, does
+                # not start another OpenMP team competing with the training thread's kernels.
+                ctypes.memmove(base + offset, src.data_ptr(), nbytes)
+            else:
+                p.data[offset : offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
+            if src._version != version:
+                raise _StateChanged(f"a tensor of shape {tuple(src.shape)} was modified during the overlapped copy")
+
+    def _helper_priority(self, idle: bool) -> None:
+        """The copy helper runs at idle priority while nobody waits for it, and at normal priority
+        once the training thread does (a busy machine would otherwise starve it meanwhile)."""
+        with self._priority_lock:
+            tid = self._helper_tid
+            if tid is None or self._helper_idle == idle:
+                return
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+                self._helper_idle = idle
+            except (AttributeError, OSError):
+                self._helper_tid = None  # not allowed here: leave it at normal priority
+
+    def _boost(self, p: _Pending) -> None:
+        """The training thread is about to wait for ``p``."""
+        if not p.done.is_set():
+            p.waited = True
+            self._helper_priority(idle=False)
 
     def _wait_pending(self) -> None:
         if self._pending is not None:
+            self._boost(self._pending)
             self._pending.done.wait()
             self._pending = None
 
@@ -657,15 +716,6 @@ def _moved(tensors: list[torch.Tensor], map_location: Any) -> list[torch.Tensor]
     return tensors if map_location is None else [t.to(map_location) for t in tensors]
 
 
-def _copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if src.is_contiguous() and not src.is_conj() and not src.is_neg():
-        # One plain memmove: releases the GIL and, unlike copy_ from a second thread, does not
-        # start another OpenMP team competing with the training thread's kernels.
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-    else:
-        dst.copy_(src)
-
-
 # --- guards for overlapped copies -------------------------------------------------------------
 _guarded: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _guard_lock = threading.Lock()
@@ -692,6 +742,7 @@ def _wait_copies() -> None:
     for ck in list(_guarded):
         p = ck._pending
         if p is not None and p.cpu_copies:
+            ck._boost(p)
             p.done.wait()
 
 

@@ -26,7 +26,7 @@ import math
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,9 +83,9 @@ class TensorEntry:
     device: str  # where the tensor lived when saved (informational)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
+        # By hand, not dataclasses.asdict (which deep-copies): this runs on the training thread.
+        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes,
+                "device": self.device}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

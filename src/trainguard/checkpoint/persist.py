@@ -100,7 +100,7 @@ class Persister:
             except Exception as exc:  # never let the thread die: the next pass may succeed
                 log.exception("checkpoint persist pass failed: %s", exc)
 
-    def boost_if_starved(self, max_lag_s: float = 60.0) -> bool:
+    def boost_if_starved(self, max_lag_s: float = 30.0) -> bool:
         """Called from another thread (the agent's loop): when the idle-priority persist thread has
         made no progress (no pass started, no checkpoint finished) for ``max_lag_s``, give it a
         normal (nice 10) share of the CPU until its pass is done. True when it boosted it now."""
