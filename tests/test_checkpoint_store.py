@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tgtest import wait_for
 
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import Checkpointer
@@ -326,3 +327,79 @@ def test_checkpoint_stale_shm_dirs_of_dead_agents_are_removed(shm_root):
     assert remove_stale_dirs(shm_root) == []
     release_shm_dir(live)
     assert not live.exists()
+
+
+def test_checkpoint_big_state_is_persisted_with_direct_io_and_reads_back_identical(monitor):
+    """Past 8 MB the agent writes with O_DIRECT (straight from shared memory, no page cache),
+    including a tail that is not a whole block."""
+    mon, env, store, _ = monitor
+    w = worker(env)
+    big = torch.randn((8 << 20) // 4 + 250)
+    assert w.save({"w": big, "step": 1}, 1)
+    w.wait()
+    mon._persister.run_pass()
+    w.close()
+    (ev,) = kinds(store, "checkpoint_persisted")
+    assert ev.evidence["direct_io"] is True and ev.evidence["bytes"] % 4096
+    for p in Path(env["TRAINGUARD_CKPT_SHM_DIR"]).glob("rank-*"):
+        p.unlink()  # no in-memory copy: the disk only
+    got = worker(env).load_latest()
+    assert got["step"] == 1 and torch.equal(got["w"], big)
+
+
+def test_checkpoint_overlapped_copy_discards_a_snapshot_changed_in_place_and_stops_overlapping(monitor):
+    """The overlapped copy trusts the optimizer/forward hooks to hold changes back; a change made
+    elsewhere before the copy (its version counter moved) must not produce a torn snapshot."""
+    import threading
+
+    mon, env, store, _ = monitor
+    w = worker(env)
+    assert w.save(state_at(1), 1, overlap=True)
+    w.wait()
+    gate = threading.Event()
+    copy = w._copy_pending
+
+    def held_copy(p):  # the helper starts copying only once the test has changed the state
+        gate.wait(30)
+        copy(p)
+
+    w._copy_pending = held_copy
+    state = state_at(2)
+    assert w.save(state, 2, overlap=True)
+    state["w"].add_(100.0)  # an in-place change outside optimizer.step() and forward
+    gate.set()
+    w.wait()
+    assert sorted(w._memory_steps()) == [1]  # the changed snapshot was never published
+    assert w.load_latest(agree=False)["step"] == 1
+    mon._persister.run_pass()
+    (ev,) = kinds(store, "checkpoint_overlap_off")
+    assert ev.severity.label == "warning" and ev.evidence["step"] == 2
+    # Later saves copy inside save(): the state at the call, whatever happens after it.
+    state = state_at(3)
+    assert w.save(state, 3, overlap=True)
+    state["w"].add_(100.0)
+    got = w.load_latest(agree=False)
+    assert got["step"] == 3 and torch.equal(got["w"], torch.full((1000,), 3.0))
+    w.close()
+
+
+def test_checkpoint_persist_thread_runs_at_idle_priority_until_it_starves(tmp_path, shm_root):
+    import time
+
+    from trainguard.checkpoint.persist import Persister
+
+    shm = make_shm_dir(shm_root)
+    p = Persister(shm, tmp_path / "ckpt", 3, lambda *a, **k: None, interval_s=0.01)
+    p.start()
+    try:
+        tid = wait_for(lambda: p._tid)
+        wait_for(lambda: os.sched_getscheduler(tid) == os.SCHED_IDLE)
+        assert not p.boost_if_starved(max_lag_s=30)  # it makes progress: left alone
+        p._heartbeat = time.monotonic() - 60  # as if it had got no CPU for a minute
+        assert p.boost_if_starved(max_lag_s=30)
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, tid) == 10
+        wait_for(lambda: os.sched_getscheduler(tid) == os.SCHED_IDLE)  # caught up: idle again
+    finally:
+        p.stop(flush=False)
+        release_shm_dir(shm)
+

@@ -494,8 +494,9 @@ class Checkpointer:
         self._report_load(loaded, corrupt, refused)
         return result
 
-    def _preference(self, c: _Candidate) -> tuple[int, bool]:
-        return (c.step, c.world == self.world)
+    def _preference(self, c: _Candidate) -> tuple[int, bool, int]:
+        # The same total order on every rank: newest step, then this world size, then the bigger one.
+        return (c.step, c.world == self.world, c.world)
 
     def _candidates(self, mesh: Any, corrupt: list[dict[str, Any]],
                     refused: list[dict[str, Any]]) -> dict[int, _Candidate]:
@@ -561,7 +562,9 @@ class Checkpointer:
             if mesh is None:
                 raise IncompatibleCheckpoint("sharded state saved at another world size: pass mesh= to reshard it")
             ref = next(s.rank for s in c.sources if s.kind == "disk")
-            return load_resharded(self.ckpt_dir, c.step, c.world, ref, mesh, map_location)
+            collective = _dist_world() > 1
+            return load_resharded(self.ckpt_dir, c.step, c.world, ref, mesh, map_location,
+                                  agree=_agree_all if collective else (lambda ok: ok))
         errors = []
         for src in c.sources:  # replicated: any rank's copy serves
             try:

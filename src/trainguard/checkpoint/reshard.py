@@ -14,6 +14,7 @@ tools that read DCP checkpoints, loadable at any world size with ``torch.distrib
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,32 +182,51 @@ _Reader: type | None = None
 
 
 def load_resharded(ckpt_dir: Path, step: int, world: int, ref_rank: int, mesh: Any,
-                   map_location: Any = None) -> Any:
+                   map_location: Any = None, agree: Callable[[bool], bool] = lambda ok: ok) -> Any:
     """Load ``step`` (saved by ``world`` ranks) onto ``mesh``: DTensor leaves are rebuilt with their
     saved placements on the new mesh and filled by DCP from the old shards; every other value comes
-    from rank ``ref_rank``'s copy. Collective when torch.distributed is initialized."""
+    from rank ``ref_rank``'s copy. Collective when torch.distributed is initialized: ``agree(ok)``
+    (true when every rank's is) settles whether all ranks are ready before DCP's collectives, so a
+    rank that cannot even start never leaves the others waiting in them."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import empty as dtensor_empty
 
-    meta, data = disk.read_checkpoint(ckpt_dir, ref_rank, step)
-    entries = parse_entries(meta["tensors"], data.numel())
-    tensors = [tensor_view(data, e) for e in entries]
-    targets: dict[str, Any] = {}
-    by_index: dict[int, Any] = {}
-    for s in shards(meta):
-        if len(s.info.placements) != mesh.ndim:
-            raise IncompatibleCheckpoint(f"{s.path} was saved on a {len(s.info.mesh_shape)}-D device mesh; "
-                                         f"the mesh given has {mesh.ndim} dimension(s)")
-        target = dtensor_empty(*s.info.shape, dtype=parse_dtype(s.entry.dtype), device_mesh=mesh,
-                               placements=placements_of(s.info))
-        targets[s.path] = by_index[s.index] = target
+    error: Exception | None = None
+    try:
+        meta, tensors, targets, by_index = _prepare(ckpt_dir, step, ref_rank, mesh)
+    except (disk.CorruptCheckpoint, FormatError) as exc:
+        error = exc
+    if not agree(error is None):
+        raise error or disk.CorruptCheckpoint(f"step {step}: another rank cannot reshard it")
     no_dist = not (dist.is_available() and dist.is_initialized())
     dcp.load(targets, storage_reader=_reader_class()(ckpt_dir, step, world), no_dist=no_dist)
     if map_location is not None:
         tensors = [t.to(map_location) for t in tensors]
     tensors = [by_index.get(i, t) for i, t in enumerate(tensors)]
     return unflatten(_as_plain_dt(meta["tree"]), tensors)
+
+
+def _prepare(ckpt_dir: Path, step: int, ref_rank: int, mesh: Any) -> tuple[dict[str, Any], list[Any],
+                                                                          dict[str, Any], dict[int, Any]]:
+    """The reference rank's manifest and tensors, and empty DTensors on ``mesh`` to load into."""
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    meta, data = disk.read_checkpoint(ckpt_dir, ref_rank, step)
+    entries = parse_entries(meta["tensors"], data.numel())
+    tensors: list[Any] = [tensor_view(data, e) for e in entries]
+    targets: dict[str, Any] = {}
+    by_index: dict[int, Any] = {}
+    for s in shards(meta):
+        if len(s.info.placements) != mesh.ndim:
+            raise IncompatibleCheckpoint(f"{s.path} was saved on a {len(s.info.mesh_shape)}-D device mesh; "
+                                         f"the mesh given has {mesh.ndim} dimension(s)")
+        try:
+            target = dtensor_empty(*s.info.shape, dtype=parse_dtype(s.entry.dtype), device_mesh=mesh,
+                                   placements=placements_of(s.info))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise FormatError(f"{s.path}: cannot lay it out on the mesh: {str(exc)[:200]}") from None
+        targets[s.path] = by_index[s.index] = target
+    return meta, tensors, targets, by_index
 
 
 def _as_plain_dt(tree: Any, depth: int = 0) -> Any:
