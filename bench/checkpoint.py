@@ -8,11 +8,12 @@ hits all of them alike:
 
 - none:          no checkpoint (the baseline for the run-time overhead);
 - torch.save:    ``torch.save(state, tmp); os.replace(tmp, path)`` on the training thread;
-- trainguard:    ``trainguard.checkpoint.save(state, step)`` as it runs by default (``overlap=True``:
-                 the CPU copy runs on an idle-priority helper thread during the next forward/backward,
-                 the optimizer step waits for it), with the checkpoint monitor persisting in a separate
+- trainguard:    ``trainguard.checkpoint.save(state, step)`` as it runs by default (the copy into
+                 shared memory inside the call), with the checkpoint monitor persisting in a separate
                  process, as the agent does under ``trainguard run``;
-- tg copy-in-save: the same with ``overlap=False`` (``--no-ckpt-overlap``): the copy inside the call.
+- tg overlap:    the same with ``overlap=True`` (``--ckpt-overlap``): the CPU copy runs on an
+                 idle-priority helper thread during the next forward/backward (the optimizer step
+                 waits for it).
 
 It prints, per backend, the training stall per save: the median time the save call blocks plus
 the median slow-down of the steps until the next save (where an overlapped copy is waited for and
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 TG = "trainguard"
-SYNC = "tg copy-in-save"
+OVERLAP = "tg overlap"
 
 
 def agent_main(run_dir: str, ckpt_dir: str, shm_root: str) -> None:
@@ -117,11 +118,14 @@ def run(backend: str, saves: int, every: int, model, opt, step_fn, ckpt, torch_p
             torch.save(state, tmp)
             os.replace(tmp, torch_path)
         else:
-            ckpt.save(state, i, overlap=backend == TG)
+            ckpt.save(state, i, overlap=backend == OVERLAP)
         blocked.append(time.perf_counter() - t1)
         if ckpt_dir is not None and backend != "torch.save":
+            # Steps between this snapshot and the newest checkpoint on disk; this run's first save
+            # counts as if the one before it (another backend's run came between) were persisted.
             persisted = disk.list_steps(ckpt_dir, 0)
-            lags.append(i - persisted[0] if persisted else i - first)
+            floor = first  # one interval before this run's first save
+            lags.append(i - max(persisted[0] if persisted else floor, floor))
     return step_times, blocked, after, i, lags
 
 
@@ -169,10 +173,10 @@ def main() -> int:
               f"{torch.get_num_threads()} threads, checkpoints in {base}")
         ckpt_dir = Path(env["TRAINGUARD_CKPT_DIR"])
         # Warm-up: first saves allocate the shm slots and warm the page cache for every backend.
-        for backend in ("torch.save", TG, SYNC):
+        for backend in ("torch.save", TG, OVERLAP):
             run(backend, 2, args.every, model, opt, step_fn, ckpt, base / "torch.pt", 0)
         ckpt.wait()
-        backends = ["none", "torch.save", TG, SYNC]
+        backends = ["none", "torch.save", TG, OVERLAP]
         blocked: dict[str, list[float]] = {b: [] for b in backends}
         after: dict[str, list[list[float]]] = {b: [] for b in backends}
         lags: dict[str, list[int]] = {b: [] for b in backends}
@@ -182,7 +186,7 @@ def main() -> int:
             for b in backends[r % 4 :] + backends[: r % 4]:
                 st, blk, aft, last, lag = run(b, args.saves, args.every, model, opt, step_fn, ckpt,
                                               base / "torch.pt", first, ckpt_dir)
-                if b in (TG, SYNC):  # let the background persist finish before the next run
+                if b in (TG, OVERLAP):  # let the background persist finish before the next run
                     ckpt.wait()
                     wait_persisted(ckpt_dir, last - args.every)
                 blocked[b].extend(blk)
@@ -197,7 +201,7 @@ def main() -> int:
         # Stall per save = the save call + what the steps until the next save lost against the
         # baseline median step (background copy and persist competing); medians over all saves.
         rows = {}
-        for b in ("torch.save", TG, SYNC):
+        for b in ("torch.save", TG, OVERLAP):
             blk = statistics.median(blocked[b])
             extra = max(0.0, statistics.median(sum(iv) - len(iv) * step_s for iv in after[b]))
             rows[b] = (blk, extra, blk + extra)
@@ -213,13 +217,13 @@ def main() -> int:
             out["backends"][b] = {"call_ms": blk * 1e3, "interval_ms": extra * 1e3, "stall_ms": stall * 1e3,
                                   "budget_every": n, "lag_steps": statistics.median(lags[b]) if lags[b] else None}
         print()
-        for b in (TG, SYNC):
+        for b in (TG, OVERLAP):
             ratio = rows[b][2] / rows["torch.save"][2]
             out["backends"][b]["ratio"] = ratio
             print(f"ratio {b} / torch.save (median stall per save): {ratio:.3f} ({100 * ratio:.1f} %; goal <= 5 %)")
         print(f"\nsteps lost per failure when saving every {args.every} steps (average, worst):")
         print(f"  process failure (the in-memory snapshot survives): {args.every / 2:.1f}, {args.every}")
-        for b in (TG, SYNC):
+        for b in (TG, OVERLAP):
             # At each save, how far the newest checkpoint on disk is behind it: `every` when the
             # persist of the previous snapshot kept up. A node lost just before a save loses that.
             behind = statistics.median(lags[b])

@@ -74,6 +74,7 @@ def two_steps(tmp_path: Path, shm_root: Path) -> Path:
         for step in (1, 2):
             state = {"w": torch.full((4, 3), float(step)), "optim": {"lr": 0.1 * step}, "step": step}
             assert ck.save(state, step)
+            ck.wait()  # the overlapped copy is done: the snapshot is complete
             from trainguard.checkpoint.persist import Persister
 
             Persister(shm, ckpt, 3, lambda *a, **k: None).run_pass()

@@ -31,6 +31,13 @@ from trainguard.launch.checkpoint_monitor import CheckpointMonitor
 from trainguard.launch.monitor import MonitorContext, StepTracker
 
 
+@pytest.fixture(autouse=True)
+def copy_inside_save(monkeypatch):
+    """These tests look at the slots right after ``save``: copies inside the call (the overlapped
+    default is tested where it says ``overlap=True``, and by the real jobs)."""
+    monkeypatch.setenv("TRAINGUARD_CKPT_OVERLAP", "0")
+
+
 @pytest.fixture
 def shm_root(tmp_path):
     # A private root under /dev/shm (real tmpfs), removed whatever happens.

@@ -66,6 +66,10 @@ ENV_SHM_DIR = "TRAINGUARD_CKPT_SHM_DIR"
 ENV_CKPT_DIR = "TRAINGUARD_CKPT_DIR"
 ENV_KEEP = "TRAINGUARD_CKPT_KEEP"
 ENV_OVERLAP = "TRAINGUARD_CKPT_OVERLAP"
+# Copy inside save() unless told otherwise: on CPU training that keeps every core busy there are no
+# idle cycles to hide a copy in, and a concurrent copy slows the steps more than a short memmove in
+# the call (bench/checkpoint.py measures both). CUDA tensors are always copied asynchronously.
+OVERLAP_DEFAULT = False
 ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # local mode (no agent): where its private slot dir goes
 MAX_CANDIDATES = 64
 NSLOTS = 2
@@ -169,12 +173,7 @@ class Checkpointer:
         numbers continue above every slot in the directory (whichever rank left it), so the
         persister's "newest first" holds when a node hosts other ranks after a world change."""
         for path, _ in self._slot_files():
-            try:
-                other = Slot.open(path)
-            except (OSError, ValueError):
-                continue
-            hdr = other.header()
-            other.close()
+            hdr, _ = _peek_slot(path, manifest=False)
             if hdr is not None:
                 self._seq = max(self._seq, hdr.seq)
         for i in range(NSLOTS):
@@ -204,8 +203,8 @@ class Checkpointer:
         """Snapshot ``state`` into shared memory. True when taken; False when skipped or failed
         (reported as an event; training goes on). Raises TypeError for values it cannot store.
 
-        ``overlap`` (default on; env TRAINGUARD_CKPT_OVERLAP=0 turns it off): CPU tensors are copied
-        by a helper thread, at idle CPU priority, while training goes on; the next optimizer step,
+        ``overlap`` (default: env TRAINGUARD_CKPT_OVERLAP=1, else off): CPU tensors are copied by a
+        helper thread, at idle CPU priority, while training goes on; the next optimizer step,
         and the next forward of a module that has buffers (BatchNorm statistics, DDP's buffer
         broadcast), wait until the copy is done (the helper then runs at normal priority), so the
         snapshot is still exactly the state at this call. An in-place change made elsewhere before
@@ -219,7 +218,7 @@ class Checkpointer:
         raw = encode_manifest(meta)
         manifest_off, data_off = payload_offsets(len(raw))
         if overlap is None:
-            overlap = os.environ.get(ENV_OVERLAP, "1") == "1"
+            overlap = os.environ.get(ENV_OVERLAP, "1" if OVERLAP_DEFAULT else "0") == "1"
         overlap = overlap and not self._overlap_off
         with self._lock:
             try:
@@ -300,6 +299,10 @@ class Checkpointer:
             if overlap and t.device.type == "cpu":  # views are made by the helper, not here
                 pending.cpu_copies.append((e.offset, e.nbytes, t, t._version))
                 continue
+            if t.device.type == "cpu" and _plain(t):
+                # memmove (non-temporal stores for big tensors): about twice torch's copy_ here.
+                ctypes.memmove(data.data_ptr() + e.offset, t.data_ptr(), e.nbytes)
+                continue
             dst = data[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape)
             if t.device.type == "cuda":
                 if not self._pinned[index]:
@@ -336,12 +339,7 @@ class Checkpointer:
         for path, rank in self._slot_files():
             if rank == self.rank:
                 continue
-            try:
-                slot = Slot.open(path)
-            except (OSError, ValueError):
-                continue
-            hdr = slot.header()
-            slot.close()
+            hdr, _ = _peek_slot(path, manifest=False)
             if hdr is not None and hdr.world != self.world and not hdr.pin:
                 path.unlink(missing_ok=True)
 
@@ -380,7 +378,7 @@ class Checkpointer:
         assert p.data is not None
         base = p.data.data_ptr()
         for offset, nbytes, src, version in p.cpu_copies:
-            if src.is_contiguous() and not src.is_conj() and not src.is_neg():
+            if _plain(src):
                 # One plain memmove: releases the GIL and, unlike copy_ from a second thread, does
                 # not start another OpenMP team competing with the training thread's kernels.
                 ctypes.memmove(base + offset, src.data_ptr(), nbytes)
@@ -668,15 +666,21 @@ class Checkpointer:
             self._persister = None
 
 
-def _peek_slot(path: Path) -> tuple[Any, bool]:
-    """(header, sharded) of a slot file without keeping it open; (None, False) when unreadable."""
+def _plain(t: torch.Tensor) -> bool:
+    """Its bytes are exactly what a copy must produce (no lazy conjugate / negative bit)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _peek_slot(path: Path, manifest: bool = True) -> tuple[Any, bool]:
+    """(header, sharded) of a slot file without keeping it open; (None, False) when unreadable.
+    ``manifest``: also read the manifest to tell whether the snapshot is sharded."""
     try:
         slot = Slot.open(path)
     except (OSError, ValueError):
         return None, False
     try:
         hdr = slot.header()
-        if hdr is None or not hdr.complete:
+        if hdr is None or not hdr.complete or not manifest:
             return hdr, False
         meta = decode_manifest(bytes(slot.mm[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]))
         return hdr, bool(meta.get("sharded"))

@@ -323,20 +323,31 @@ def _open_data(ckpt_dir: Path, rank: int, step: int, meta: dict[str, Any]) -> tu
 
 def read_checkpoint(ckpt_dir: Path, rank: int, step: int) -> tuple[dict[str, Any], torch.Tensor]:
     """(manifest, flat uint8 data) of one rank's checkpoint, verified. Raises CorruptCheckpoint."""
+    return _read_verified(ckpt_dir, rank, step, keep=True)
+
+
+def verify_checkpoint(ckpt_dir: Path, rank: int, step: int) -> dict[str, Any]:
+    """Check one rank's checkpoint end to end without keeping its data (one reused buffer).
+    Returns the manifest; raises CorruptCheckpoint."""
+    return _read_verified(ckpt_dir, rank, step, keep=False)[0]
+
+
+def _read_verified(ckpt_dir: Path, rank: int, step: int, keep: bool) -> tuple[dict[str, Any], torch.Tensor]:
     meta = read_manifest(ckpt_dir, rank, step)
     try:
         f, size, fn, want = _open_data(ckpt_dir, rank, step, meta)
         with f:
             parse_entries(meta["tensors"], size)  # before allocating: the table must fit the file
-            available = psutil.virtual_memory().available
-            if size > available:
-                raise CorruptCheckpoint(f"step {step} rank {rank}: {size / 1e9:.1f} GB of data, "
-                                        f"only {available / 1e9:.1f} GB of memory available")
-            data = torch.empty(size, dtype=torch.uint8)
+            if keep:
+                available = psutil.virtual_memory().available
+                if size > available:
+                    raise CorruptCheckpoint(f"step {step} rank {rank}: {size / 1e9:.1f} GB of data, "
+                                            f"only {available / 1e9:.1f} GB of memory available")
+            data = torch.empty(size if keep else min(CHUNK, size), dtype=torch.uint8)
             value = 0
             with memoryview(data.numpy()) as mv:
                 for i in range(0, size, CHUNK):
-                    part = mv[i : i + CHUNK]
+                    part = mv[i : i + CHUNK] if keep else mv[: min(CHUNK, size - i)]
                     if f.readinto(part) != len(part):
                         raise CorruptCheckpoint(f"{data_name(rank)}: short read")
                     value = fn(part, value)
@@ -349,34 +360,6 @@ def read_checkpoint(ckpt_dir: Path, rank: int, step: int) -> tuple[dict[str, Any
     except (OSError, ValueError, KeyError, TypeError, MemoryError) as exc:  # FormatError is a ValueError
         raise CorruptCheckpoint(f"step {step} rank {rank}: {str(exc)[:300]}") from None
     return meta, data
-
-
-def verify_checkpoint(ckpt_dir: Path, rank: int, step: int) -> dict[str, Any]:
-    """Check one rank's checkpoint end to end without keeping its data (a reused buffer).
-    Returns the manifest; raises CorruptCheckpoint."""
-    meta = read_manifest(ckpt_dir, rank, step)
-    try:
-        f, size, fn, want = _open_data(ckpt_dir, rank, step, meta)
-        with f:
-            parse_entries(meta["tensors"], size)
-            buf = bytearray(min(CHUNK, size))
-            value, done = 0, 0
-            with memoryview(buf) as mv:
-                while done < size:
-                    n = f.readinto(mv[: min(CHUNK, size - done)])
-                    if not n:
-                        raise CorruptCheckpoint(f"{data_name(rank)}: short read")
-                    value = fn(mv[:n], value)
-                    done += n
-        if value != want:
-            raise CorruptCheckpoint(f"{data_name(rank)}: {_algo(meta)} {value:#010x} != {want:#010x} in the manifest")
-    except CorruptCheckpoint:
-        raise
-    except ChecksumUnavailable as exc:
-        raise CannotVerify(f"step {step} rank {rank}: {exc}") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpoint(f"step {step} rank {rank}: {str(exc)[:300]}") from None
-    return meta
 
 
 # --- pruning ---------------------------------------------------------------------------------------

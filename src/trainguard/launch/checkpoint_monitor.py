@@ -61,10 +61,9 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        help="keep the newest K checkpoints per rank (default: 3)")
     group.add_argument("--ckpt-shm-dir", default="/dev/shm",
                        help="tmpfs where in-memory snapshots live (default: /dev/shm)")
-    group.add_argument("--ckpt-overlap", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--ckpt-overlap", action="store_true",
                        help="copy CPU tensors of trainguard.checkpoint.save on an idle-priority helper thread during "
-                            "the next forward/backward (the optimizer step waits for it); --no-ckpt-overlap: copy "
-                            "inside save (default: overlap)")
+                            "the next forward/backward (the optimizer step waits for it); default: copy inside save")
     group.add_argument("--ckpt-write-limit", type=_non_negative_float, default=0.0, metavar="MB_S",
                        help="cap the background persist rate in MB/s so it does not starve the job's I/O (0: none)")
 
@@ -75,7 +74,7 @@ def create(options: argparse.Namespace) -> Monitor | None:
         keep=getattr(options, "ckpt_keep", 3),
         shm_root=getattr(options, "ckpt_shm_dir", "/dev/shm"),
         write_limit_mb_s=getattr(options, "ckpt_write_limit", 0.0),
-        overlap=bool(getattr(options, "ckpt_overlap", True)),
+        overlap=bool(getattr(options, "ckpt_overlap", False)),
     )
 
 
@@ -83,7 +82,7 @@ class CheckpointMonitor(Monitor):
     name = "checkpoint"
 
     def __init__(self, ckpt_dir: str | Path | None = None, keep: int = 3, shm_root: str | Path = "/dev/shm",
-                 write_limit_mb_s: float = 0.0, breakpoint_timeout_s: float = 600.0, overlap: bool = True) -> None:
+                 write_limit_mb_s: float = 0.0, breakpoint_timeout_s: float = 600.0, overlap: bool = False) -> None:
         self._ckpt_dir_opt = Path(ckpt_dir) if ckpt_dir else None
         self.keep = keep
         self.shm_root = Path(shm_root)
