@@ -363,19 +363,25 @@ def test_checkpoint_overlapped_copy_discards_a_snapshot_changed_in_place_and_sto
     w = worker(env)
     assert w.save(state_at(1), 1, overlap=True)
     w.wait()
+    from trainguard.checkpoint import client
+
     gate = threading.Event()
-    copy = w._copy_pending
+    copy = client._copy_item
 
-    def held_copy(p):  # the helper starts copying only once the test has changed the state
-        gate.wait(30)
-        copy(p)
+    def held_copy(p, item, fast):  # the helper copies only once the test has changed the state
+        if not fast:
+            gate.wait(30)
+        copy(p, item, fast)
 
-    w._copy_pending = held_copy
-    state = state_at(2)
-    assert w.save(state, 2, overlap=True)
-    state["w"].add_(100.0)  # an in-place change outside optimizer.step() and forward
-    gate.set()
-    w.wait()
+    client._copy_item = held_copy
+    try:
+        state = state_at(2)
+        assert w.save(state, 2, overlap=True)
+        state["w"].add_(100.0)  # an in-place change outside optimizer.step() and forward
+        gate.set()
+        w.wait()
+    finally:
+        client._copy_item = copy
     assert sorted(w._memory_steps()) == [1]  # the changed snapshot was never published
     assert w.load_latest(agree=False)["step"] == 1
     mon._persister.run_pass()
@@ -410,3 +416,24 @@ def test_checkpoint_persist_thread_runs_at_idle_priority_until_it_starves(tmp_pa
         p.stop(flush=False)
         release_shm_dir(shm)
 
+
+
+def test_checkpoint_overlapped_copy_shared_with_the_training_thread_is_exact(monitor):
+    """The helper copies pieces at idle priority; the optimizer step takes over the rest. Whatever
+    the split, the snapshot is bit-identical to the state at the call."""
+    _, env, _, _ = monitor
+    w = worker(env)
+    model = torch.nn.Linear(1500, 1500)  # a 9 MB weight: three pieces
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    odd = torch.arange(24.0).view(4, 6).t()  # not contiguous: one piece, copied with its strides
+    for step in (1, 2, 3):
+        state = {"model": model.state_dict(), "odd": odd, "n": torch.tensor(step)}
+        expect = {k: v.clone() for k, v in model.state_dict().items()}
+        assert w.save(state, step, overlap=True)
+        model(torch.randn(2, 1500)).sum().backward()
+        opt.step()  # waits for (or finishes) the copy before changing the weights
+        opt.zero_grad()
+        got = w.load_latest(agree=False)
+        assert got["n"].item() == step and torch.equal(got["odd"], odd)
+        assert all(torch.equal(got["model"][k], expect[k]) for k in expect)
+    w.close()

@@ -100,7 +100,8 @@ class _Candidate:
 @dataclass
 class _Pending:
     """A save whose copies are not all finished: queued device->host copies (CUDA events) and,
-    with ``overlap``, CPU copies left to the helper thread."""
+    with ``overlap``, CPU copies in chunks that the helper thread takes one by one at idle
+    priority, and the training thread takes over (``_finish``) when it needs the state."""
 
     index: int
     seq: int
@@ -109,10 +110,38 @@ class _Pending:
     data_len: int
     events: list[Any]
     data: torch.Tensor | None = None  # the slot's data region
-    # (byte offset in ``data``, bytes, source tensor, its version counter at save)
-    cpu_copies: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
+    # (byte offset in ``data``, bytes, source tensor, byte offset in the source or -1 for a whole
+    # tensor that is not plain memory, its version counter at save)
+    items: list[tuple[int, int, torch.Tensor, int, int]] = field(default_factory=list)
+    taken: int = 0  # items handed out
+    left: int = 0  # items not copied yet
+    changed: str | None = None  # a source changed in place before its copy
+    cond: threading.Condition = field(default_factory=threading.Condition)
     done: threading.Event = field(default_factory=threading.Event)
     waited: bool = False  # the training thread waits for it: the helper must not run at idle priority
+
+    def take(self) -> tuple[int, int, torch.Tensor, int, int] | None:
+        with self.cond:
+            if self.taken >= len(self.items):
+                return None
+            self.taken += 1
+            return self.items[self.taken - 1]
+
+    def copied(self, item: tuple[int, int, torch.Tensor, int, int]) -> None:
+        if item[2]._version != item[4]:
+            self.changed = f"a tensor of shape {tuple(item[2].shape)} was modified during the overlapped copy"
+        with self.cond:
+            self.left -= 1
+            if self.left == 0:
+                self.cond.notify_all()
+
+    def all_copied(self) -> None:
+        with self.cond:
+            while self.left:
+                self.cond.wait()
+
+
+_CHUNK = 4 << 20  # overlapped copies in 4 MiB pieces: whoever needs the state soon takes the rest
 
 
 class _StateChanged(Exception):
@@ -235,8 +264,9 @@ class Checkpointer:
                 pending = _Pending(index, self._seq, int(step), len(raw), data_len, [],
                                    buf[data_off : data_off + data_len])
                 self._copy_tensors(pending.data, entries, tensors, index, pending, overlap)
-                if pending.events or pending.cpu_copies:
-                    if pending.cpu_copies:
+                pending.left = len(pending.items)
+                if pending.events or pending.items:
+                    if pending.items:
                         _install_guards(self)
                     self._pending = pending
                     self._queue_completion(pending)
@@ -296,12 +326,12 @@ class Checkpointer:
         for e, t in zip(entries, tensors, strict=True):
             if e.nbytes == 0:
                 continue
-            if overlap and t.device.type == "cpu":  # views are made by the helper, not here
-                pending.cpu_copies.append((e.offset, e.nbytes, t, t._version))
-                continue
-            if t.device.type == "cpu" and _plain(t):
-                # memmove (non-temporal stores for big tensors): about twice torch's copy_ here.
-                ctypes.memmove(data.data_ptr() + e.offset, t.data_ptr(), e.nbytes)
+            if overlap and t.device.type == "cpu":  # views are made when copied, not here
+                if _plain(t):
+                    pending.items.extend((e.offset + a, min(_CHUNK, e.nbytes - a), t, a, t._version)
+                                         for a in range(0, e.nbytes, _CHUNK))
+                else:
+                    pending.items.append((e.offset, e.nbytes, t, -1, t._version))
                 continue
             dst = data[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape)
             if t.device.type == "cuda":
@@ -354,11 +384,15 @@ class Checkpointer:
         self._helper_tid = threading.get_native_id()
         while (p := self._completer.get()) is not None:
             try:
-                if p.cpu_copies:
+                if p.items:
                     self._helper_priority(idle=True)  # overlapped: only the CPU training leaves idle
                     if p.waited:  # the training thread got there first
                         self._helper_priority(idle=False)
-                    self._copy_pending(p)
+                    while (item := p.take()) is not None:
+                        _copy_item(p, item, fast=False)
+                    p.all_copied()  # pieces the training thread took over
+                    if p.changed:
+                        raise _StateChanged(p.changed)
                 for ev in p.events:
                     ev.synchronize()  # off the training thread: waits for the D2H copy only
                 self._publish(p)
@@ -371,21 +405,19 @@ class Checkpointer:
             except Exception as exc:
                 self._note_failure(p.step, exc)
             finally:
-                p.cpu_copies.clear()
+                p.items.clear()
                 p.done.set()
 
-    def _copy_pending(self, p: _Pending) -> None:
-        assert p.data is not None
-        base = p.data.data_ptr()
-        for offset, nbytes, src, version in p.cpu_copies:
-            if _plain(src):
-                # One plain memmove: releases the GIL and, unlike copy_ from a second thread, does
-                # not start another OpenMP team competing with the training thread's kernels.
-                ctypes.memmove(base + offset, src.data_ptr(), nbytes)
-            else:
-                p.data[offset : offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
-            if src._version != version:
-                raise _StateChanged(f"a tensor of shape {tuple(src.shape)} was modified during the overlapped copy")
+    def _finish(self, p: _Pending) -> None:
+        """The training thread needs the state: copy what the helper has not taken yet itself (with
+        torch's parallel copy), then wait for the piece the helper is on and the publish."""
+        if p.done.is_set():
+            return
+        p.waited = True
+        self._helper_priority(idle=False)
+        while (item := p.take()) is not None:
+            _copy_item(p, item, fast=True)
+        p.done.wait()
 
     def _helper_priority(self, idle: bool) -> None:
         """The copy helper runs at idle priority while nobody waits for it, and at normal priority
@@ -400,16 +432,9 @@ class Checkpointer:
             except (AttributeError, OSError):
                 self._helper_tid = None  # not allowed here: leave it at normal priority
 
-    def _boost(self, p: _Pending) -> None:
-        """The training thread is about to wait for ``p``."""
-        if not p.done.is_set():
-            p.waited = True
-            self._helper_priority(idle=False)
-
     def _wait_pending(self) -> None:
         if self._pending is not None:
-            self._boost(self._pending)
-            self._pending.done.wait()
+            self._finish(self._pending)
             self._pending = None
 
     def wait(self) -> None:
@@ -671,6 +696,21 @@ def _plain(t: torch.Tensor) -> bool:
     return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+def _copy_item(p: _Pending, item: tuple[int, int, torch.Tensor, int, int], fast: bool) -> None:
+    """One piece of an overlapped copy. ``fast`` (the training thread, which is waiting anyway):
+    torch's copy, parallel over the intra-op threads. Else (the helper) one memmove, which releases
+    the GIL and starts no OpenMP team of its own."""
+    assert p.data is not None
+    offset, nbytes, src, src_off, _ = item
+    if src_off < 0:
+        p.data[offset : offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
+    elif fast:
+        p.data[offset : offset + nbytes].copy_(src.reshape(-1).view(torch.uint8)[src_off : src_off + nbytes])
+    else:
+        ctypes.memmove(p.data.data_ptr() + offset, src.data_ptr() + src_off, nbytes)
+    p.copied(item)
+
+
 def _peek_slot(path: Path, manifest: bool = True) -> tuple[Any, bool]:
     """(header, sharded) of a slot file without keeping it open; (None, False) when unreadable.
     ``manifest``: also read the manifest to tell whether the snapshot is sharded."""
@@ -748,9 +788,8 @@ def _install_guards(ck: Checkpointer) -> None:
 def _wait_copies() -> None:
     for ck in list(_guarded):
         p = ck._pending
-        if p is not None and p.cpu_copies:
-            ck._boost(p)
-            p.done.wait()
+        if p is not None and p.items:
+            ck._finish(p)
 
 
 def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -758,7 +797,7 @@ def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
-    if not any(ck._pending is not None and ck._pending.cpu_copies for ck in list(_guarded)):
+    if not any(ck._pending is not None and ck._pending.items for ck in list(_guarded)):
         return
     has = _has_buffers.get(module)
     if has is None:
