@@ -33,34 +33,30 @@ def shm_root():
 
 @pytest.mark.slow
 def test_checkpoint_prune_keeps_new_verified_steps_when_newer_ones_do_not_verify(jobs, tmp_path, shm_root):
-    """18.1: a run dir whose newer checkpoints were truncated. The issue's repro, shortened: the
-    rerun used to persist steps 5, 10, 15 and delete each at once (pruning kept the 3 highest step
-    numbers, the broken ones), so the third run started at step 0."""
+    """18.1: a run dir whose newer checkpoints were truncated. The issue's repro with --ckpt-keep 1
+    (one broken newer step is then enough): the rerun used to persist steps 5, 10, 15 and delete
+    each at once, pruning kept the highest step number, the broken one, so the next run started at
+    step 0."""
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
 
     def train(steps: int, name: str) -> None:
         job = jobs("run", "--standalone", "--nproc-per-node", "1", "--run-dir", run, "--ckpt-shm-dir", shm_root,
-                   "--precheck", "off", "--quiet", EXAMPLE, "--steps", str(steps), "--ckpt-every", "5",
-                   "--ckpt", "trainguard", name=name)
+                   "--ckpt-keep", "1", "--precheck", "off", "--quiet", EXAMPLE, "--steps", str(steps),
+                   "--ckpt-every", "5", "--ckpt", "trainguard", name=name)
         assert job.wait() == 0, job.output()
 
     train(30, "first")
-    first = disk.list_steps(ckpt, 0)
-    assert first[0] == 30 and len(first) == 3, first
-    for f in ckpt.glob("step-*/rank-*.bin"):
-        os.truncate(f, 100)
+    assert disk.list_steps(ckpt, 0) == [30]
+    os.truncate(disk.step_dir(ckpt, 30) / disk.data_name(0), 100)
     train(15, "second")
-    # The new, verified checkpoints are kept (the persister takes the newest snapshot each pass, so
-    # a fast job may skip one), the newest among them; nothing of the first run is counted.
-    kept = disk.list_steps(ckpt, 0)
-    assert kept[0] == 15 and set(kept) <= {5, 10, 15}, kept
-    moved = sorted(ckpt.glob("quarantine/step-*/rank-00000.*"))
-    assert len(moved) == 6 and all(p.stat().st_size == 100 for p in moved if p.suffix == ".bin")  # not deleted
+    assert disk.list_steps(ckpt, 0) == [15]  # the newest verified checkpoint is kept
+    moved = sorted(p.name for p in ckpt.glob("quarantine/step-0000000030.*/*"))
+    assert moved == ["rank-00000.bin", "rank-00000.json"]  # moved aside, not deleted
     [q] = events(run, "checkpoint_quarantined")
-    assert q.evidence["steps"] == sorted(first) and q.severity.label == "warning"
-    assert "100 bytes" in json.dumps(q.evidence["errors"])
-    got, fallbacks = load(ckpt, shm_root)  # what the third run resumes from (it used to be nothing)
+    assert q.evidence["steps"] == [30] and q.severity.label == "warning"
+    assert "100 bytes" in q.evidence["errors"]["30"]
+    got, fallbacks = load(ckpt, shm_root)  # what the next run resumes from (it used to be nothing)
     assert got["step"] == 15 and not fallbacks
 
 
