@@ -437,3 +437,22 @@ def test_checkpoint_overlapped_copy_shared_with_the_training_thread_is_exact(mon
         assert got["n"].item() == step and torch.equal(got["odd"], odd)
         assert all(torch.equal(got["model"][k], expect[k]) for k in expect)
     w.close()
+
+
+def test_checkpoint_old_world_snapshots_are_freed_once_every_new_rank_saved(monitor):
+    """A node that hosted ranks 0 and 1 of a world of 2 now hosts rank 0 of a world of 1: rank 1's
+    snapshots stay while rank 0 may still load from them, and go once it saved at the new size."""
+    mon, env, _, _ = monitor
+    shm, ckpt = Path(env["TRAINGUARD_CKPT_SHM_DIR"]), Path(env["TRAINGUARD_CKPT_DIR"])
+    old = [Checkpointer(shm, ckpt, r, 2) for r in (0, 1)]
+    for w in old:
+        assert w.save(state_at(1), 1)
+        w.close()
+    new = Checkpointer(shm, ckpt, 0, 1)
+    assert new.load_latest()["step"] == 1  # replicated state from the old ranks' memory
+    assert mon._persister.drop_stale_slots({0}, 1) == []  # rank 0 has no snapshot at world 1 yet
+    assert new.save(state_at(2), 2)
+    assert mon._persister.drop_stale_slots({0}, 1) == [1]
+    assert sorted(p.name for p in shm.glob("rank-*")) == ["rank-00000.slot0", "rank-00000.slot1"]
+    assert new.load_latest()["step"] == 2
+    new.close()

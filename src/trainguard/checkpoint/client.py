@@ -170,7 +170,6 @@ class Checkpointer:
         self._helper_tid: int | None = None
         self._helper_idle = False
         self._priority_lock = threading.Lock()
-        self._old_world_dropped = False
         self._lock = threading.Lock()
         self._adopt_existing_slots()
 
@@ -351,9 +350,6 @@ class Checkpointer:
         assert slot is not None
         slot.publish(p.seq, p.step, p.manifest_len, p.data_len, self.rank, self.world)
         self._latest = p.index
-        if not self._old_world_dropped:
-            self._old_world_dropped = True
-            self._drop_old_world_slots()
 
     def _slot_files(self) -> list[tuple[Path, int]]:
         """(path, rank) of every slot file in the shm directory."""
@@ -362,16 +358,6 @@ class Checkpointer:
         except OSError:
             return []
         return [(self.shm_dir / n, parsed[0]) for n in names if (parsed := parse_slot_name(n)) is not None]
-
-    def _drop_old_world_slots(self) -> None:
-        """Once this rank has a snapshot at the current world size, other ranks' snapshots from an
-        earlier world size on this node are history: free their memory (the agent persisted them)."""
-        for path, rank in self._slot_files():
-            if rank == self.rank:
-                continue
-            hdr, _ = _peek_slot(path, manifest=False)
-            if hdr is not None and hdr.world != self.world and not hdr.pin:
-                path.unlink(missing_ok=True)
 
     def _queue_completion(self, p: _Pending) -> None:
         if self._completer is None:

@@ -138,6 +138,36 @@ class Persister:
             self._announce(done, trigger)
             return done
 
+    def drop_stale_slots(self, live: set[int], world: int) -> list[int]:
+        """After a world-size change: once every rank now on this node has a snapshot at the new
+        world size (so it has loaded whatever it needed), remove the snapshots of ranks this node
+        no longer hosts, to free their memory. Returns the ranks whose slots went."""
+        if not live:
+            return []
+        with self._lock:
+            try:
+                names = sorted(os.listdir(self.shm_dir))
+            except FileNotFoundError:
+                return []
+            slots = [(n, parsed[0]) for n in names if (parsed := parse_slot_name(n)) is not None]
+            stale = [(n, r) for n, r in slots if r not in live]
+            if not stale:
+                return []
+            current = {r for n, r in slots if r in live and self._complete_at(n, world)}
+            if current != live:
+                return []  # a rank may still be loading from an old snapshot
+            for name, _ in stale:
+                slot = self._slots.pop(name, None)
+                if slot is not None:
+                    slot.close()
+                (self.shm_dir / name).unlink(missing_ok=True)
+            return sorted({r for _, r in stale})
+
+    def _complete_at(self, name: str, world: int) -> bool:
+        slot = self._slot(name)
+        hdr = slot.header() if slot is not None else None
+        return hdr is not None and hdr.complete and hdr.world == world
+
     def _on_disk(self, rank: int, slot: Slot, hdr: SlotHeader) -> bool:
         """True when this very snapshot (same rank, step and save time) is committed on disk."""
         try:

@@ -117,6 +117,8 @@ class CheckpointMonitor(Monitor):
         self._flush_early()
         if self._persister is not None:
             self._persister.boost_if_starved()
+            if ctx.workers:  # after a world-size change: free the old ranks' snapshots once unneeded
+                self._persister.drop_stale_slots({w.global_rank for w in ctx.workers}, ctx.world_size)
         return None
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, dict[str, Any]]) -> None:
