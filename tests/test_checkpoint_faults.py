@@ -301,7 +301,7 @@ def test_checkpoint_sharded_dtensor_state_and_cross_rank_fallback(tmp_path, shm_
         for rank in range(2):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=port, OMP_NUM_THREADS="1", TRAINGUARD_CKPT_DIR=str(tmp_path / "ckpt"),
-                       SHM_ROOT=str(shm_root))
+                       SHM_ROOT=str(shm_root), TRAINGUARD_CKPT_SHM_ROOT=str(shm_root))
             env.pop("TRAINGUARD_CKPT_SHM_DIR", None)
             procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "checkpoint_dtensor.py")], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -323,12 +323,12 @@ def test_checkpoint_sharded_dtensor_state_and_cross_rank_fallback(tmp_path, shm_
 
 
 @pytest.mark.slow
-def test_checkpoint_end_to_end_under_trainguard_run(tmp_path, jobs):
+def test_checkpoint_end_to_end_under_trainguard_run(tmp_path, jobs, shm_root):
     """`trainguard run`: rank 1 is SIGKILLed right after its step-8 snapshot; the restarted job
     resumes from memory at step 8 with the exact state, and the agent leaves no shared memory."""
     run_dir = tmp_path / "run"
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
-               "--quiet", str(WORKER), "--steps", "14", "--every", "1", "--step-sleep", "0.02",
+               "--ckpt-shm-dir", str(shm_root), "--quiet", str(WORKER), "--steps", "14", "--every", "1", "--step-sleep", "0.02",
                "--kill-after-save", "8")
     assert job.wait() == 0, job.output()
     first = {r: (run_dir / "logs" / "attempt-0" / f"rank-{r}.log").read_text() for r in (0, 1)}
@@ -341,7 +341,7 @@ def test_checkpoint_end_to_end_under_trainguard_run(tmp_path, jobs):
     assert ev["checkpoint_loaded"].evidence == {"step": 8, "source": "memory"}
     assert "checkpoint_persisted" in ev
     shm_dir = Path(re.search(r"shm_dir=(\S+)", second[0])[1])
-    assert shm_dir.parent == Path("/dev/shm") and not shm_dir.exists()  # the agent cleaned up
+    assert shm_dir.parent == shm_root and not shm_dir.exists()  # the agent cleaned up
     assert disk.list_steps(run_dir / "checkpoints", 0)[0] == 14
 
 
