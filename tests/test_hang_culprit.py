@@ -45,7 +45,7 @@ def test_hang_culprit_sleeping_rank_outside_the_collective() -> None:
 
 def test_hang_culprit_busy_loop_holding_gil() -> None:
     verdict = find_culprit({0: v(0, coll("all_reduce")), 1: v(1, user("spin"), busy=True)})
-    assert verdict.rank == 1 and "holding the GIL" in verdict.reason
+    assert verdict.rank == 1 and "busy in own code (on CPU)" in verdict.reason
     assert "busy_loop" in [c["cause"] for c in verdict.causes]
 
 
