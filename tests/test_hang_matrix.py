@@ -87,3 +87,31 @@ def test_hang_hf_trainer_rank_frozen_after_save(jobs, tmp_path: Path) -> None:
     assert ev.rank == 1 and ev.evidence["ranks"]["1"]["kind"] == "stopped", ev.message
     assert "stopped" in ev.evidence["doing"] and ev.evidence["progress"]["kind"] == "stopped", ev.message
     assert events(run, "job_succeeded")
+
+
+def test_hang_before_the_first_step_uses_the_learned_first_step_allowance(tmp_path: Path) -> None:
+    """A restarted attempt whose rank hangs before its first step: judged once the first step
+    takes longer than the allowance learned from the earlier attempt's first step (not the
+    seed's 30 minutes)."""
+    from hang_harness import run_attempt
+
+    from trainguard.events import EventBus
+    from trainguard.events.store import EventStore
+
+    cfg = HangConfig(period=0.5, step_slack=3.0, first_step_floor=5.0)
+    monitor = HangMonitor(cfg)
+    store = EventStore(tmp_path)
+    bus = EventBus(store, node="testnode")
+    args = ["--steps", "10", "--step-time-ms", "50", "--fault", "sleep", "--fault-rank", "1", "--fault-step", "1",
+            "--fault-attempt", "1"]  # fmt: skip
+    try:
+        healthy = run_attempt(monitor, tmp_path, bus, 2, 0, args)
+        assert healthy.decision is None and healthy.returncodes == {0: 0, 1: 0}
+        hung = run_attempt(monitor, tmp_path, bus, 2, 1, args, deadline_s=150.0)
+    finally:
+        monitor.close()
+        store.close()
+    assert hung.decision is not None and hung.decision.rank == 1, [e.message for e in hang_events(tmp_path)]
+    assert not any(hung.steps.values())  # no step at all in the hung attempt
+    (ev,) = [e for e in hang_events(tmp_path) if e.kind == "hang_detected"]
+    assert ev.evidence["progress"]["kind"] == "idle" and ev.evidence["rule"] == "steps", ev.message

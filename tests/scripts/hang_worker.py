@@ -2,7 +2,8 @@
 
 Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (torchrun, trainguard run, or a test).
 Prints `step=<n> rank=<r> t=<unix time>` after every step. Faults (on --fault-rank at --fault-step,
-only while TRAINGUARD_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT is 0, so a restart finishes):
+only while TRAINGUARD_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT is --fault-attempt, default 0,
+so a restart finishes):
 
   stop      the rank stops itself with SIGSTOP
   sleep     the rank sleeps before the step's all-reduce while the others block in it
@@ -36,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fault", choices=["none", "stop", "sleep", "spin", "mismatch", "cblock", "savestop"], default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=10)
+    p.add_argument("--fault-attempt", type=int, default=0, help="the attempt (restart count) the fault happens in")
     p.add_argument("--ckpt-at", type=int, default=-1)
     p.add_argument("--ckpt-pause", type=float, default=30.0)
     p.add_argument("--eval-at", type=int, default=-1)
@@ -97,7 +99,7 @@ def main() -> int:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    faulty = args.fault != "none" and attempt() == 0 and rank == args.fault_rank
+    faulty = args.fault != "none" and attempt() == args.fault_attempt and rank == args.fault_rank
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(32, 1))
     opt = torch.optim.SGD([w], lr=0.01)  # its step() marks step boundaries for trainguard's profiler
@@ -122,7 +124,7 @@ def main() -> int:
                 dist.broadcast(grad, src=rank)
             elif args.fault == "cblock":
                 block_in_c()
-        if args.fault == "savestop" and attempt() == 0 and step == args.fault_step:
+        if args.fault == "savestop" and attempt() == args.fault_attempt and step == args.fault_step:
             if faulty:
                 save_then_stop(rank)
             dist.barrier()

@@ -48,7 +48,7 @@ PRIORITY = (
 _C10D = "torch/distributed/distributed_c10d.py"
 _INIT_FUNCS = {"init_process_group", "new_group", "_new_group_with_tag", "_store_based_barrier", "rendezvous"}
 _EVAL_RE = re.compile(
-    r"(^|_)(eval|evaluate|evaluation|evaluator|validate|validation|valid|val|test|predict|prediction)(_|$|\d)",
+    r"(^|[_.])(eval|evaluate|evaluation|evaluator|validate|validation|valid|val|test|predict|prediction)([_.]|$|\d)",
     re.IGNORECASE,
 )
 _CKPT_RE = re.compile(r"checkpoint|ckpt|save_model|save_state|save_pretrained|save_file", re.IGNORECASE)

@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
-from trainguard.detect.hang import Activity, Assessment, HangConfig, HangDetector, busy_limit, phase_allowance
+from trainguard.detect.hang import (
+    Activity,
+    Assessment,
+    HangConfig,
+    HangDetector,
+    busy_limit,
+    first_step_allowance,
+    phase_allowance,
+)
 from trainguard.detect.progress import (
     BUSY,
     PROGRESSING,
@@ -46,6 +54,7 @@ from trainguard.probes import nvml, proc, stacks
 log = logging.getLogger(__name__)
 
 STACK_TIMEOUT = 10.0
+FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
 # Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
 DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
 
@@ -205,6 +214,10 @@ class _Watch:
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
         self.last_dumps: dict[int, stacks.StackDump] = {}
         self.last_verdict: CulpritVerdict | None = None
+        self.first_step_seen = False
+        # rank -> the healthy phase its stacks showed during this stall: one sample inside the
+        # user's own evaluation loop body must not lose the evaluation the others showed.
+        self.recent_phase: dict[int, str] = {}
 
     def round(self, now: float) -> HangEvidence | None:
         pids = self.ctx.pids()
@@ -222,12 +235,23 @@ class _Watch:
         if a.hang and now >= self.hold_until:
             return self._seed_rule(now, a, pids)
         stats = a.steps
-        if stats is None or stats.last_end == -math.inf:
-            return None  # no step yet: only the seed rule watches the start (slow first steps are healthy)
-        if stats.last_end > self.stall_from:
-            self._steps_resumed(now, stats.last_end)
-        threshold = stats.threshold if stats.ready else math.inf
-        if a.stall < min(0.5 * threshold, self.cfg.detect_time):
+        if stats is None:
+            return None
+        if stats.last_end == -math.inf:
+            # No step yet in this attempt: judged only once an earlier attempt showed how long its
+            # first step took (compile, warm-up, loading); before that only the seed rule watches.
+            allowed = first_step_allowance(self.learned.get(FIRST_STEP), self.cfg)
+            if allowed is None:
+                return None
+            since, stall, threshold = self.detector.start, now - self.detector.start, allowed
+        else:
+            if not self.first_step_seen:
+                self._learn_first_step(steps)
+            if stats.last_end > self.stall_from:
+                self._steps_resumed(now, stats.last_end)
+            since, stall = stats.last_end, a.stall
+            threshold = stats.threshold if stats.ready else math.inf
+        if stall < min(0.5 * threshold, self.cfg.detect_time):
             return None
         if now >= self.next_stacks:
             # Stacks from half the threshold on: by the threshold there are several to compare.
@@ -235,11 +259,27 @@ class _Watch:
             verdict, dumps, views = self._stacks(pids, steps)
             self.history.add_stacks(time.time(), views)
             self.last_dumps, self.last_verdict = dumps, verdict
+            for r, pos in verdict.positions.items():
+                if phase_of(pos):
+                    self.recent_phase[r] = phase_of(pos)
             self.next_stacks = now + max(self.cfg.stack_every, 2 * (time.monotonic() - t0))
         verdict = self.last_verdict
-        if verdict is None or (a.stall <= threshold and a.stall < self.cfg.detect_time):
+        if verdict is None or (stall <= threshold and stall < self.cfg.detect_time):
             return None
-        return self._judge(now, a, verdict, pids)
+        return self._judge(now, dataclasses.replace(a, stall=stall), verdict, pids, since, threshold)
+
+    def _learn_first_step(self, steps: dict[int, list]) -> None:
+        """The attempt's first step: how long it took from the workers' start (the first-step
+        allowance of later attempts)."""
+        start = self.detector.start
+        ends = [s.end for samples in steps.values() for s in samples if s.end >= start - 1.0]
+        if not ends:
+            return
+        self.first_step_seen = True
+        took = min(ends) - start
+        if took > self.learned.get(FIRST_STEP, 0.0):
+            self.learned[FIRST_STEP] = took
+            log.debug("hang: first step after %.1fs; allowance learned", took)
 
     def _steps_resumed(self, now: float, last_end: float) -> None:
         """A step finished: a stall (if any) is over. Learn how long its phase took; clear a suspicion."""
@@ -248,7 +288,7 @@ class _Watch:
             for phase in self.stall_phases:
                 if pause > self.learned.get(phase, 0.0):
                     self.learned[phase] = pause
-                    log.info("hang: %s pause of %.1fs ended; allowance learned", phase, pause)
+                    log.debug("hang: %s pause of %.1fs ended; allowance learned", phase, pause)
         if self.suspected is not None:
             pause = last_end - self.stall_from
             s = self.suspected
@@ -263,17 +303,23 @@ class _Watch:
             )
         self.stall_from, self.stall_phases, self.suspected, self.suspect_since = last_end, set(), None, None
         self.history.clear_stacks()
+        self.recent_phase.clear()
         self.next_stacks = -math.inf
 
-    def _judge(self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int]) -> HangEvidence | None:
+    def _judge(
+        self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int], since: float, threshold: float
+    ) -> HangEvidence | None:
+        """The verdict on a stall of ``a.stall`` seconds (since ``since``, over ``threshold``)."""
         cfg = self.cfg
-        stats = a.steps
-        assert stats is not None
+        verdict = dataclasses.replace(verdict, positions={
+            r: p if phase_of(p) else dataclasses.replace(p, phase=self.recent_phase.get(r, ""))
+            for r, p in verdict.positions.items()
+        })  # fmt: skip
         progress = {
-            r: judge_progress(self.history.samples(r, now, cfg, stats.last_end), cfg, waiting=p.waiting)
+            r: judge_progress(self.history.samples(r, now, cfg, since), cfg, waiting=p.waiting)
             for r, p in verdict.positions.items()
         }
-        threshold = stats.threshold if stats.ready else cfg.detect_time
+        threshold = min(threshold, cfg.detect_time)
         limits = Limits(
             threshold=threshold,
             detect_time=cfg.detect_time,
@@ -425,7 +471,8 @@ class _Watch:
             return True
         if not any(x.alive and x.state not in ("Z", "X") for x in samples.values()):
             return True  # every worker has exited meanwhile: the agent takes it from here
-        last_end = max((s.end for r in pids for s in self.ctx.steps.recent(r)[-1:]), default=-math.inf)
+        start = self.detector.start - 1.0  # an earlier attempt's steps are not this one's
+        last_end = max((s.end for r in pids for s in self.ctx.steps.recent(r)[-1:] if s.end >= start), default=-math.inf)
         return a.steps is not None and last_end > a.steps.last_end
 
     def _record(
@@ -455,7 +502,7 @@ class _Watch:
         reason = verdict.reason if culprit == verdict.rank else sv.why
         if level == "suspected":
             message = (f"hang suspected: no step for {a.stall:.0f}s (allowance {sv.limit:.0f}s); candidate {who}: "
-                       f"{sv.why}. Still progressing: watching (hang_detected if progress stops, or after "
+                       f"{sv.why}. Not a hang yet: watching (hang_detected if progress stops, or after "
                        f"{self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
         else:
             message = f"job hung ({rule}): culprit {who}: {sv.why}" + (f". Known causes: {causes}" if causes else "")
