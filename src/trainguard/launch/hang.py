@@ -410,43 +410,45 @@ class _Watch:
                               busy=bool(main and (main.owns_gil or main.active)))  # fmt: skip
         return out
 
-    def _gather(self) -> dict[int, RankView]:
+    def _gather(self, key: str) -> dict[int, RankView]:
         ctx = self.ctx
         try:
             remote, progress = gather_views(
-                _client(ctx.store), ctx.restart_count, ctx.node_rank, ctx.nnodes, max(5.0, 3 * self.cfg.period)
+                _client(ctx.store), ctx.restart_count, ctx.node_rank, ctx.nnodes, max(5.0, 3 * self.cfg.period), key
             )
         except Exception as exc:
             log.warning("hang: could not read the other nodes' stacks: %s", exc)
             return {}
-        self.remote_progress = progress
+        if key == HANG_VIEWS_KEY:
+            self.remote_progress = progress
         return remote
 
     def _with_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> tuple[CulpritVerdict, StallVerdict]:
         """A local "no progress" verdict is only final when no rank on another node progresses:
         the ranks here may all wait for a long evaluation over there."""
         local = verdict.positions
-        remote = self._gather()
+        self._gather(HANG_VIEWS_KEY)
         moving = [r for r, k in self.remote_progress.items() if k in (PROGRESSING, BUSY) and r not in local]
         culprit_dead = sv.culprit in local and not local[sv.culprit].waiting
         if moving and not culprit_dead:
             r = moving[0]
             return verdict, StallVerdict("watch", r, "", f"rank {r} on another node progresses")
-        merged = self._merge_other_nodes(verdict, self._views_of(self.last_dumps), remote)
+        merged = self._merge_other_nodes(verdict, self._views_of(self.last_dumps))
         if merged is not verdict:
             sv = dataclasses.replace(sv, culprit=merged.rank, why=merged.reason)
         return merged, sv
 
-    def _merge_other_nodes(
-        self, verdict: CulpritVerdict, views: dict[int, RankView], remote: dict[int, RankView] | None = None
-    ) -> CulpritVerdict:
-        """When no local rank is the culprit, look at the other nodes' stacks too."""
-        if remote is None:
-            try:
-                publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, views, {})
-            except Exception as exc:
-                log.warning("hang: could not share stacks with the other nodes: %s", exc)
-            remote = self._gather()
+    def _merge_other_nodes(self, verdict: CulpritVerdict, views: dict[int, RankView]) -> CulpritVerdict:
+        """Share this node's stacks at its verdict; when no local rank is the culprit, look at the
+        other nodes' stacks too. Waits for the other nodes' verdicts even when the culprit is
+        here: they see the same hang within seconds, and declaring before them would restart the
+        job under their feet."""
+        try:
+            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, views, {},
+                          HANG_DECIDED_KEY)  # fmt: skip
+        except Exception as exc:
+            log.warning("hang: could not share stacks with the other nodes: %s", exc)
+        remote = self._gather(HANG_DECIDED_KEY)
         if remote:
             self.remote_views = remote
         if verdict.rank is not None or not remote:
@@ -539,7 +541,9 @@ class _Watch:
         )  # fmt: skip
 
 
+# Each node's latest stacks and progress while steps stall; its stacks again when it declares.
 HANG_VIEWS_KEY = "trainguard/hang/{attempt}/{node_rank}"
+HANG_DECIDED_KEY = "trainguard/hang/{attempt}/{node_rank}/declared"
 
 
 def _remote_stack(views: dict[int, RankView], rank: int | None) -> list[str]:
@@ -577,19 +581,24 @@ def view_from_dict(rank: int, d: dict[str, Any]) -> RankView:
 
 
 def publish_views(
-    store: Any, attempt: int, node_rank: int, views: dict[int, RankView], progress: dict[int, str] | None = None
+    store: Any,
+    attempt: int,
+    node_rank: int,
+    views: dict[int, RankView],
+    progress: dict[int, str] | None = None,
+    key: str = HANG_VIEWS_KEY,
 ) -> None:
     """This node's views, each with the rank's progress kind (detect.progress) when judged."""
     data = {str(r): {**view_to_dict(v), "progress": (progress or {}).get(r, "")} for r, v in views.items()}
-    store.set(HANG_VIEWS_KEY.format(attempt=attempt, node_rank=node_rank), json.dumps(data))
+    store.set(key.format(attempt=attempt, node_rank=node_rank), json.dumps(data))
 
 
 def gather_views(
-    store: Any, attempt: int, node_rank: int, nnodes: int, wait_s: float
+    store: Any, attempt: int, node_rank: int, nnodes: int, wait_s: float, key: str = HANG_VIEWS_KEY
 ) -> tuple[dict[int, RankView], dict[int, str]]:
     """The other nodes' published views and progress kinds, waiting up to wait_s for all of them
     (fewer is fine)."""
-    keys = [HANG_VIEWS_KEY.format(attempt=attempt, node_rank=n) for n in range(nnodes) if n != node_rank]
+    keys = [key.format(attempt=attempt, node_rank=n) for n in range(nnodes) if n != node_rank]
     deadline = time.monotonic() + wait_s
     while True:
         ready = [k for k in keys if store.check([k])]
