@@ -1,13 +1,15 @@
-"""Hang monitor: finds a hung job in seconds, names the culprit rank and its stack.
+"""Hang monitor: judges stalled steps by each rank's progress, names the culprit rank and its stack.
 
 It runs on its own thread (``poll`` only hands over the evidence): every ``--hang-period`` it reads
-the I/O and CPU counters of every worker and its children (probes.proc), GPU utilisation through
-NVML when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The pure
-detector (detect.hang) says when the job looks hung; py-spy stacks (probes.stacks) then say where
-every rank is, which rank is the culprit (detect.culprit), and whether a long pause is a checkpoint
-save or an evaluation that has its own allowance. A confirmed hang is recorded as ``hang_detected``
-with the evidence, written as a readable report in the run dir, and handed to the policy as
-``HangEvidence`` (``policy.decide_on_hang``).
+the I/O, CPU and state of every worker and its children (probes.proc), GPU utilisation through
+NVML when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The
+seed's rule (detect.hang) watches I/O and utilisation. When steps stall (no step for the learned
+threshold, or the first step of a later attempt past its learned allowance), py-spy samples every
+rank's stack every ``stack_every`` seconds; detect.progress judges each rank's progress over the
+window and the stall: ``hang_suspected`` (warning: the candidate is busy and progressing; the watch
+goes on, ``hang_cleared`` when steps resume) or ``hang_detected`` (no progress, or no step for
+``--hang-detect-time``). Both are recorded with the evidence and a readable report in the run dir
+and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides).
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ class _Watch:
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
         self.last_dumps: dict[int, stacks.StackDump] = {}
         self.last_verdict: CulpritVerdict | None = None
+        self.last_views: dict[int, RankView] = {}
         self.first_step_seen = False
         # rank -> the healthy phase its stacks showed during this stall: one sample inside the
         # user's own evaluation loop body must not lose the evaluation the others showed.
@@ -258,7 +261,7 @@ class _Watch:
             t0 = time.monotonic()
             verdict, dumps, views = self._stacks(pids, steps)
             self.history.add_stacks(time.time(), views)
-            self.last_dumps, self.last_verdict = dumps, verdict
+            self.last_dumps, self.last_verdict, self.last_views = dumps, verdict, views
             for r, pos in verdict.positions.items():
                 if phase_of(pos):
                     self.recent_phase[r] = phase_of(pos)
@@ -331,7 +334,7 @@ class _Watch:
         self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
         multinode = self.ctx.nnodes > 1 and self.ctx.store is not None
         if multinode:
-            self._publish(verdict, progress)
+            self._publish(progress)
         if sv.state == "detected" and sv.rule == "steps" and multinode:
             verdict, sv = self._with_other_nodes(verdict, sv)
         if sv.state != "suspected":
@@ -393,22 +396,13 @@ class _Watch:
             )
         return find_culprit(views, nnodes=self.ctx.nnodes), dumps, views
 
-    def _publish(self, verdict: CulpritVerdict, progress: dict[int, Progress]) -> None:
+    def _publish(self, progress: dict[int, Progress]) -> None:
         """This node's latest stacks and progress, for the other nodes' verdicts."""
-        views = {r: v for r, v in self._views_of(self.last_dumps).items()}
         try:
-            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, views,
+            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, self.last_views,
                           {r: p.kind for r, p in progress.items()})  # fmt: skip
         except Exception as exc:  # the store going away must not stop the watch
             log.warning("hang: could not share stacks with the other nodes: %s", exc)
-
-    def _views_of(self, dumps: dict[int, stacks.StackDump]) -> dict[int, RankView]:
-        out = {}
-        for r, d in dumps.items():
-            main = d.main_thread()
-            out[r] = RankView(rank=r, state=d.state, frames=main.frames if main else (), error=d.error,
-                              busy=bool(main and (main.owns_gil or main.active)))  # fmt: skip
-        return out
 
     def _gather(self, key: str) -> dict[int, RankView]:
         ctx = self.ctx
@@ -433,7 +427,7 @@ class _Watch:
         if moving and not culprit_dead:
             r = moving[0]
             return verdict, StallVerdict("watch", r, "", f"rank {r} on another node progresses")
-        merged = self._merge_other_nodes(verdict, self._views_of(self.last_dumps))
+        merged = self._merge_other_nodes(verdict, self.last_views)
         if merged is not verdict:
             sv = dataclasses.replace(sv, culprit=merged.rank, why=merged.reason)
         return merged, sv
