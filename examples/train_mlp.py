@@ -36,9 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=-1, help="step at which --fail-rank fails")
     p.add_argument(
         "--fail-mode",
-        choices=["raise", "zerodiv", "exit", "kill", "hang", "stop"],
+        choices=["raise", "zerodiv", "exit", "kill", "hang", "stop", "loop"],
         default="raise",
-        help="hang: sleep forever before the all-reduce; stop: SIGSTOP itself",
+        help="hang: sleep forever before the all-reduce; stop: SIGSTOP itself; loop: an endless busy loop",
     )
     p.add_argument("--fail-always", action="store_true", help="fail on every attempt (default: first only)")
     return p.parse_args()
@@ -99,6 +99,10 @@ def maybe_fail(args: argparse.Namespace, rank: int, step: int) -> None:
     elif args.fail_mode == "stop":
         os.kill(os.getpid(), 19)
         return
+    elif args.fail_mode == "loop":
+        n = 0
+        while True:  # busy on CPU: looks like long work until --hang-detect-time
+            n += 1
     raise RuntimeError(f"injected failure at step {step} on rank {rank}")
 
 

@@ -45,7 +45,7 @@ def test_hang_culprit_sleeping_rank_outside_the_collective() -> None:
 
 def test_hang_culprit_busy_loop_holding_gil() -> None:
     verdict = find_culprit({0: v(0, coll("all_reduce")), 1: v(1, user("spin"), busy=True)})
-    assert verdict.rank == 1 and "holding the GIL" in verdict.reason
+    assert verdict.rank == 1 and "busy in own code (on CPU)" in verdict.reason
     assert "busy_loop" in [c["cause"] for c in verdict.causes]
 
 
@@ -122,6 +122,12 @@ def test_hang_phases_from_stacks() -> None:
     assert pos.kind == "collective" and pos.phase == "checkpoint"
     assert classify(v(0, user("evaluate"))).phase == "eval"
     assert classify(v(0, user("run_validation"))).phase == "eval"
+    assert classify(v(0, user("main.<locals>.eval0.<locals>.<lambda>"))).phase == "eval"  # py-spy's qualified names
+    assert classify(v(0, user("medieval_map"))).phase == ""
+    # forward passes through any module (model.module or the unwrapped model), under any name
+    fwd = [Frame("forward", f"{SP}/nn/modules/linear.py", 125), Frame("_call_impl", f"{SP}/nn/modules/module.py", 1750),
+           Frame("generate_samples", "/job/train.py", 40)]  # fmt: skip
+    assert classify(v(0, fwd)).phase == "forward" and classify(v(0, fwd)).kind == "forward"
     # activation checkpointing inside every step is not a checkpoint save
     act = [Frame("checkpoint", f"{SP}/utils/checkpoint.py", 480), Frame("forward", "/job/model.py", 30)]
     assert classify(v(0, act)).phase == ""

@@ -13,17 +13,25 @@ pytestmark = pytest.mark.slow
 
 
 def test_hang_busy_loop_through_trainguard_run(jobs, tmp_path: Path) -> None:
+    """An endless `while True` loop cannot be told from long work within seconds: it is a
+    suspicion (warning) at once, and a detected hang when no step finished for
+    --hang-detect-time (here 0.5 min)."""
     run = tmp_path / "run"
     job = jobs(
         "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", run,
-        "--hang-period", "0.5", "--hang-step-slack", "3",
+        "--hang-period", "0.5", "--hang-step-slack", "3", "--hang-detect-time", "0.5",
         SCRIPTS / "hang_worker.py", "--steps", "30", "--fault", "spin", "--fault-rank", "0", "--fault-step", "10",
     )  # fmt: skip
     assert job.wait() == 0, job.output()
+    suspected = events(run, "hang_suspected")
+    assert len(suspected) == 1 and suspected[0].rank == 0, [e.message for e in suspected]
+    assert suspected[0].severity.label == "warning" and "spin_forever" in suspected[0].evidence["stack"][0]
+    assert Path(suspected[0].evidence["report"]).exists()
     hangs = events(run, "hang_detected")
     assert len(hangs) == 1, [e.message for e in hangs]
     ev = hangs[0]
-    assert ev.rank == 0 and ev.evidence["rule"] == "steps", ev.message
+    assert ev.rank == 0 and ev.evidence["rule"] == "detect-time", ev.message
+    assert suspected[0].time < ev.time
     assert ev.evidence["ranks"]["0"]["kind"] == "user" and ev.evidence["ranks"]["0"]["busy"]
     assert ev.evidence["ranks"]["1"]["op"] == "all_reduce"
     assert "spin_forever" in ev.evidence["stack"][0]

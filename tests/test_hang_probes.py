@@ -182,11 +182,12 @@ def test_hang_views_shared_across_nodes_name_a_remote_culprit() -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         assert find_culprit(node0, nnodes=2).rank is None  # node 0 alone cannot tell
-        hang_monitor.publish_views(store, 0, 1, node1)
-        got = hang_monitor.gather_views(hang_monitor._client(store), 0, 0, 2, wait_s=10.0)
+        hang_monitor.publish_views(store, 0, 1, node1, {2: "idle", 3: "progressing"})
+        got, progress = hang_monitor.gather_views(hang_monitor._client(store), 0, 0, 2, wait_s=10.0)
         assert set(got) == {2, 3} and got[3].frames[0].name == "load"
+        assert progress == {2: "idle", 3: "progressing"}  # a remote rank still working holds a local verdict
         assert find_culprit({**got, **node0}).rank == 3
         # a node that never publishes: the wait is bounded and nothing is invented
-        assert hang_monitor.gather_views(store, 0, 0, 3, wait_s=0.5).keys() == {2, 3}
+        assert hang_monitor.gather_views(store, 0, 0, 3, wait_s=0.5)[0].keys() == {2, 3}
     finally:
         del store

@@ -301,12 +301,30 @@ def test_hang_restarts_with_the_culprit():
     from trainguard.evidence import HangEvidence
 
     causes = [{"cause": "process_stopped", "advice": "..."}]
-    d = P.decide_on_hang(HangEvidence(1, "steps", "rank 1 is not in the collective", causes, "/run/hang.txt", 0))
+    d = P.decide_on_hang(
+        HangEvidence(1, "steps", "rank 1 is not in the collective", causes, "/run/hang.txt", 0, progress="stopped")
+    )
     assert (d.action, d.rank, d.source) == (Action.RESTART, 1, "hang")
     assert d.reason == "hang: culprit rank 1: rank 1 is not in the collective"
-    assert d.evidence == {"rule": "steps", "causes": causes, "report": "/run/hang.txt"}
+    assert d.evidence == {"rule": "steps", "causes": causes, "report": "/run/hang.txt", "progress": "stopped"}
     nobody = P.decide_on_hang(HangEvidence(None, "io+utilisation", "stacks are symmetric"))
     assert nobody.action == Action.RESTART and nobody.rank is None and "no single rank" in nobody.reason
+
+
+def test_hang_suspicion_or_progressing_culprit_never_restarts():
+    """Only a detected hang with no-progress evidence (or the seed's window passed) restarts."""
+    from trainguard.evidence import HangEvidence
+
+    assert P.decide_on_hang(HangEvidence(0, "steps", "rank 0 evaluates", level="suspected", progress="progressing")) is None
+    assert P.decide_on_hang(HangEvidence(0, "steps", "rank 0 evaluates", progress="progressing")) is None
+    for rule in ("detect-time", "io+utilisation"):
+        d = P.decide_on_hang(HangEvidence(0, rule, "rank 0 loops", progress="progressing"))
+        assert d is not None and d.action == Action.RESTART, rule
+    for kind in ("busy", "idle", "stopped", "stalled", "gone"):  # busy: the same frame past its limit
+        d = P.decide_on_hang(HangEvidence(1, "steps", "no progress", progress=kind))
+        assert d is not None and d.action == Action.RESTART, kind
+    s = P.decide_while_running(HangEvidence(0, "steps", "x", level="suspected", progress="busy"), P.PolicySettings(), 1)
+    assert s is None
 
 
 def test_straggler_is_only_reported_without_exclude_straggler():

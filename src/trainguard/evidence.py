@@ -122,14 +122,29 @@ class CheckOutcome:
 
 @dataclass(frozen=True)
 class HangEvidence:
-    """A confirmed hang (the hang monitor has recorded ``hang_detected`` with the full evidence)."""
+    """A stall the hang monitor judged (it has recorded ``hang_suspected`` or ``hang_detected`` with
+    the full evidence).
+
+    ``level`` "suspected": steps stopped but the candidate culprit is busy and progressing (a long
+    evaluation, a save, a loop): a warning. "detected": the culprit shows no progress (stopped,
+    D state, idle while peers wait, the very same frame past its limit), or no step for the
+    seed's ``--hang-detect-time``, or the seed's I/O + utilisation rule."""
 
     rank: int | None  # the culprit; None when no single rank could be named
-    rule: str  # the detector rule that fired: "steps" or "io+utilisation"
+    rule: str  # "steps" (progress judged), "detect-time" (no step for --hang-detect-time) or "io+utilisation"
     reason: str  # why that rank (the culprit finder's words)
     causes: list[dict[str, Any]] = field(default_factory=list)  # known causes the stacks show
     report: str | None = None  # the readable hang report in the run dir
     attempt: int = 0
+    level: str = "detected"  # "suspected" | "detected"
+    progress: str = ""  # the culprit's progress kind (detect.progress): progressing busy idle stopped stalled gone
+    doing: str = ""  # what the culprit was doing, in words
+
+    @property
+    def progressing(self) -> bool:
+        """The culprit's stack, I/O, spans or GPU still moved when this was judged. ("busy" is
+        not progress: on CPU on the very same frame, flat utilisation.)"""
+        return self.progress == "progressing"
 
 
 @dataclass(frozen=True)

@@ -323,16 +323,27 @@ def decide_before_start(
 # ------------------------------------------------------------------------- while running
 
 
-def decide_on_hang(hang: HangEvidence) -> Decision:
-    """A confirmed hang (the stacks ruled out a checkpoint save, an evaluation, a slow step):
-    restart the job (torch elastic then uses the restart budget)."""
+# Rules whose verdict stands whatever the culprit does: the seed's windows (no step, or no I/O
+# and flat utilisation, for --hang-detect-time).
+HANG_WINDOW_RULES = ("detect-time", "io+utilisation")
+
+
+def decide_on_hang(hang: HangEvidence) -> Decision | None:
+    """A hang restarts the job (torch elastic then uses the restart budget) only when detected on
+    evidence that rules out healthy work: the culprit shows no progress, or the seed's window
+    passed. A suspicion (steps stopped, the culprit busy and progressing) is a warning the monitor
+    already recorded: keep watching (None)."""
+    if hang.level != "detected":
+        return None
+    if hang.progressing and hang.rule not in HANG_WINDOW_RULES:
+        return None  # a progressing culprit is never killed before the seed's window
     who = f"rank {hang.rank}" if hang.rank is not None else "no single rank"
     return Decision(
         Action.RESTART,
         f"hang: culprit {who}: {hang.reason}",
         source="hang",
         rank=hang.rank,
-        evidence={"rule": hang.rule, "causes": hang.causes, "report": hang.report},
+        evidence={"rule": hang.rule, "causes": hang.causes, "report": hang.report, "progress": hang.progress},
     )
 
 

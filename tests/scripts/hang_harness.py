@@ -4,7 +4,8 @@ Starts ``hang_worker.py`` ranks with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set
 per attempt, as torch elastic's agent does), builds a MonitorContext with their pids, calls
 ``on_workers_started``, ``poll`` until it hands over hang evidence (which the policy turns into a
 Decision, as the agent does) or until the workers exit, then ``on_workers_stopped``. It plays the profiling monitor's part by feeding the workers' `step=` lines
-into ``ctx.steps`` (unless told not to). Every process is killed by process group at the end.
+into ``ctx.steps`` (unless told not to). A suspicion (``decide_on_hang`` returns None) is kept and
+the watch goes on, as in the agent. Every process is killed by process group at the end.
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ from pathlib import Path
 from trainguard.events import EventBus
 from trainguard.events.model import Event
 from trainguard.events.store import EventStore
+from trainguard.evidence import HangEvidence
 from trainguard.launch.hang import HangMonitor
 from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
 from trainguard.policy import Action, Decision, decide_on_hang
+
+HANG_KINDS = ["hang_suspected", "hang_detected", "hang_cleared"]
+
+
+def hang_events(run_dir: Path) -> list[Event]:
+    store = EventStore(run_dir, readonly=True)
+    try:
+        return store.query(kinds=HANG_KINDS)
+    finally:
+        store.close()
 
 WORKER = Path(__file__).with_name("hang_worker.py")
 STEP_RE = re.compile(r"^step=(\d+) rank=(\d+) t=([\d.]+)")
@@ -38,6 +50,7 @@ class Attempt:
     returncodes: dict[int, int | None]
     output: dict[int, list[str]] = field(default_factory=dict)
     steps: dict[int, list[StepSample]] = field(default_factory=dict)
+    suspected: list[tuple[float, HangEvidence]] = field(default_factory=list)  # (unix time handed over, evidence)
 
     def fault_time(self) -> float | None:
         for lines in self.output.values():
@@ -81,6 +94,7 @@ def run_attempt(
     args: list[str],
     feed_steps: bool = True,
     deadline_s: float = 90.0,
+    worker: Path = WORKER,
 ) -> Attempt:
     from torch.distributed import TCPStore
 
@@ -105,7 +119,7 @@ def run_attempt(
     try:
         for rank in range(world):
             p = subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
+                [sys.executable, str(worker), *args],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -132,12 +146,17 @@ def run_attempt(
         )
         monitor.on_workers_started(ctx)
         decision, decided_at = None, None
+        suspected: list[tuple[float, HangEvidence]] = []
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             found = monitor.poll(ctx)
             if found is not None:
-                decision, decided_at = decide_on_hang(found), time.time()
-                break
+                decision = decide_on_hang(found)  # None: a suspicion, keep watching
+                if decision is None:
+                    suspected.append((time.time(), found))
+                else:
+                    decided_at = time.time()
+                    break
             if all(p.poll() is not None for p in procs):
                 break
             time.sleep(0.05)
@@ -147,6 +166,7 @@ def run_attempt(
             {r: p.poll() for r, p in enumerate(procs)},
             output,
             {r: steps.recent(r) for r in range(world)},
+            suspected,
         )
     finally:
         if ctx is not None:
@@ -165,14 +185,16 @@ def run_job(
     feed_steps: bool = True,
     deadline_s: float = 90.0,
     max_attempts: int = 2,
+    worker: Path = WORKER,
 ) -> tuple[list[Attempt], list[Event]]:
-    """Attempts until one ends without a hang decision (or the restart budget is spent)."""
+    """Attempts until one ends without a hang decision (or the restart budget is spent). The events:
+    ``hang_detected`` (read ``hang_events`` for the suspicions too)."""
     store = EventStore(run_dir)
     bus = EventBus(store, node="testnode")
     attempts: list[Attempt] = []
     try:
         for n in range(max_attempts):
-            a = run_attempt(monitor, run_dir, bus, world, n, args, feed_steps, deadline_s)
+            a = run_attempt(monitor, run_dir, bus, world, n, args, feed_steps, deadline_s, worker)
             attempts.append(a)
             if a.decision is None:
                 break

@@ -2,15 +2,19 @@
 
 Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (torchrun, trainguard run, or a test).
 Prints `step=<n> rank=<r> t=<unix time>` after every step. Faults (on --fault-rank at --fault-step,
-only while TRAINGUARD_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT is 0, so a restart finishes):
+only while TRAINGUARD_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT is --fault-attempt, default 0,
+so a restart finishes):
 
   stop      the rank stops itself with SIGSTOP
   sleep     the rank sleeps before the step's all-reduce while the others block in it
   spin      the rank loops forever in Python, holding the GIL
   mismatch  the rank calls broadcast where the others call all_reduce: a deadlock
+  cblock    the rank blocks forever in a C-level call (libc pause() through ctypes)
+  savestop  every rank enters a checkpoint phase: the rank writes a large-ish state with
+            torch.save and stops itself (SIGSTOP) just after, while the others wait in a barrier
 
-Healthy long phases: --ckpt-at/--ckpt-pause (rank 0 saves a checkpoint that first waits
---ckpt-pause seconds without local I/O, like an upload to slow storage; the others wait in a
+Healthy long phases: --ckpt-at/--ckpt-pause (rank 0 saves a checkpoint that first uploads for
+--ckpt-pause seconds, a small write every half second as to slow storage; the others wait in a
 barrier) and --eval-at/--eval-seconds (every rank evaluates without printing).
 """
 
@@ -30,9 +34,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--step-time-ms", type=float, default=50.0)
-    p.add_argument("--fault", choices=["none", "stop", "sleep", "spin", "mismatch"], default="none")
+    p.add_argument("--fault", choices=["none", "stop", "sleep", "spin", "mismatch", "cblock", "savestop"], default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=10)
+    p.add_argument("--fault-attempt", type=int, default=0, help="the attempt (restart count) the fault happens in")
     p.add_argument("--ckpt-at", type=int, default=-1)
     p.add_argument("--ckpt-pause", type=float, default=30.0)
     p.add_argument("--eval-at", type=int, default=-1)
@@ -48,10 +53,14 @@ def attempt() -> int:
 
 def save_checkpoint(model: torch.Tensor, pause: float, rank: int) -> None:
     if rank == 0:
-        deadline = time.monotonic() + pause
-        while time.monotonic() < deadline:  # waiting on remote storage: no local I/O
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         path = os.path.join(os.environ.get("TRAINGUARD_RUN_DIR", "."), "hang_worker_ckpt.pt")
+        deadline = time.monotonic() + pause
+        with open(path + ".upload", "wb") as f:
+            while time.monotonic() < deadline:  # a slow upload: a little data every half second
+                f.write(b"x" * 4096)
+                f.flush()
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        os.unlink(path + ".upload")
         torch.save({"w": model}, path)
     dist.barrier()
 
@@ -66,6 +75,20 @@ def evaluate(model: torch.Tensor, seconds: float) -> float:
     return float(total)
 
 
+def save_then_stop(rank: int) -> None:
+    """A checkpoint save (torch.save of ~64 MB), then the process freezes just after it."""
+    path = os.path.join(os.environ.get("TRAINGUARD_RUN_DIR", "."), f"hang_worker_state_{rank}.pt")
+    torch.save({"state": torch.randn(16 * 1024 * 1024)}, path)
+    os.unlink(path)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def block_in_c() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).pause()  # returns only on a caught signal: a C call that never returns
+
+
 def spin_forever() -> None:
     n = 0
     while True:  # pure Python: holds the GIL, no I/O, no collective
@@ -76,7 +99,7 @@ def main() -> int:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    faulty = args.fault != "none" and attempt() == 0 and rank == args.fault_rank
+    faulty = args.fault != "none" and attempt() == args.fault_attempt and rank == args.fault_rank
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(32, 1))
     opt = torch.optim.SGD([w], lr=0.01)  # its step() marks step boundaries for trainguard's profiler
@@ -99,6 +122,12 @@ def main() -> int:
                 spin_forever()
             elif args.fault == "mismatch":
                 dist.broadcast(grad, src=rank)
+            elif args.fault == "cblock":
+                block_in_c()
+        if args.fault == "savestop" and attempt() == args.fault_attempt and step == args.fault_step:
+            if faulty:
+                save_then_stop(rank)
+            dist.barrier()
         dist.all_reduce(grad)
         grad /= world
         opt.step()

@@ -1,6 +1,8 @@
 """A real Hugging Face Trainer job (tiny GPT-2 built from a config, CPU, gloo, no downloads) with
 trainguard's callback: snapshots every 5 steps, evaluation and saves every 10. Rank 1 SIGKILLs
-itself at --kill-step on the first attempt; the restarted attempt resumes from the snapshot."""
+itself at --kill-step on the first attempt; the restarted attempt resumes from the snapshot.
+With --stop-after-save N, rank 1 freezes (SIGSTOP) right after the Trainer's save at step N of
+the first attempt (issue 11: a stopped rank is never "saving a checkpoint")."""
 
 import argparse
 import os
@@ -17,6 +19,7 @@ from trainguard.integrations.hf import TrainguardCallback  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=30)
 p.add_argument("--kill-step", type=int, default=-1)
+p.add_argument("--stop-after-save", type=int, default=-1)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TRAINGUARD_RESTART_COUNT"])
@@ -43,11 +46,16 @@ class Report(TrainerCallback):
             print(f"killing myself at step {state.global_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def on_save(self, args, state, control, **kwargs):
+        if rank == 1 and attempt == 0 and state.global_step == stop_after_save:
+            print(f"fault=stop rank={rank} after the save of step {state.global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
     def on_train_end(self, args, state, control, **kwargs):
         print(f"train ends at step {state.global_step}", flush=True)
 
 
-kill_step = args.kill_step
+kill_step, stop_after_save = args.kill_step, args.stop_after_save
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=128, n_positions=16,
                                    bos_token_id=0, eos_token_id=0))  # fmt: skip

@@ -31,7 +31,7 @@ class RankView:
     rank: int
     state: str  # /proc state letter of the worker ("" = gone)
     frames: Sequence[FrameLike] = ()  # main thread, innermost first; empty when unknown
-    busy: bool = False  # on CPU: owns the GIL / running, or high CPU utilisation
+    busy: bool = False  # on CPU over the judged window (the process and its children)
     error: str | None = None  # why the stack is unknown
     last_step: int | None = None
     other_frames: Sequence[Sequence[FrameLike]] = ()  # other threads, for named causes only
@@ -41,17 +41,18 @@ class RankView:
 WAITING = ("collective", "backward", "device", "init")
 # Most telling first: used to pick one culprit among several odd ranks.
 PRIORITY = (
-    "stopped", "gone", "user", "dataloader", "checkpoint", "eval", "collective", "backward", "device", "init",
+    "stopped", "gone", "user", "dataloader", "checkpoint", "eval", "forward", "collective", "backward", "device", "init",
     "exiting", "unknown",
 )  # fmt: skip
 
 _C10D = "torch/distributed/distributed_c10d.py"
 _INIT_FUNCS = {"init_process_group", "new_group", "_new_group_with_tag", "_store_based_barrier", "rendezvous"}
 _EVAL_RE = re.compile(
-    r"(^|_)(eval|evaluate|evaluation|evaluator|validate|validation|valid|val|test|predict|prediction)(_|$|\d)",
+    r"(^|[_.])(eval|evaluate|evaluation|evaluator|validate|validation|valid|val|test|predict|prediction)([_.]|$|\d)",
     re.IGNORECASE,
 )
 _CKPT_RE = re.compile(r"checkpoint|ckpt|save_model|save_state|save_pretrained|save_file", re.IGNORECASE)
+_FORWARD_FUNCS = {"_call_impl", "_wrapped_call_impl"}  # nn.Module.__call__
 _LIB_MARKERS = ("site-packages/", "dist-packages/", "<frozen", "/lib/python3")
 # trainguard's own wrappers (auto-instrumented collectives, ...) are not the user's code either.
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -61,11 +62,11 @@ _EXITING_ERRORS = ("failed to find a python interpreter", "interpreter finalised
 
 @dataclass(frozen=True)
 class Position:
-    kind: str  # stopped gone exiting collective backward device init dataloader checkpoint eval user unknown
+    kind: str  # stopped gone exiting collective backward device init dataloader checkpoint eval forward user unknown
     op: str = ""  # collective name (all_reduce, broadcast, ...)
     site: str = ""  # innermost frame of the user's own code: "file:line in func"
     busy: bool = False
-    phase: str = ""  # "checkpoint" or "eval" when any frame shows one (even inside a collective)
+    phase: str = ""  # "checkpoint", "eval" or "forward" when the frames show one (even inside a collective)
 
     @property
     def waiting(self) -> bool:
@@ -88,7 +89,8 @@ class Position:
             "dataloader": f"{wait} for the DataLoader",
             "checkpoint": f"{is_} saving a checkpoint",
             "eval": f"{is_} evaluating",
-            "user": f"{is_} busy in own code (holding the GIL)" if self.busy else f"{is_} idle in own code (sleep/blocking call)",
+            "forward": f"{is_} running forward passes (evaluation, generation)",
+            "user": f"{is_} busy in own code (on CPU)" if self.busy else f"{is_} idle in own code (sleep/blocking call)",
             "unknown": f"{is_} at an unknown place (no stack)",
         }[self.kind]
         return f"{what} at {self.site}" if self.site and self.kind not in ("stopped", "gone", "exiting") else what
@@ -110,17 +112,23 @@ def _site(frames: Sequence[FrameLike]) -> str:
 
 
 def _phase(frames: Sequence[FrameLike]) -> str:
+    """The long healthy phase the frames show: "checkpoint", "eval" (by the names of the user's
+    functions), else "forward" when a module's forward runs (evaluation or generation through
+    ``model.module`` or any module, named or not), else ""."""
+    forward = False
     for fr in frames:
         f = fr.filename.replace("\\", "/")
         if (f.endswith("torch/serialization.py") and fr.name == "save") or "torch/distributed/checkpoint/" in f:
             return "checkpoint"
+        if f.endswith("torch/nn/modules/module.py") and fr.name in _FORWARD_FUNCS:
+            forward = True
         if "/torch/" in f:
             continue  # torch's own names (activation checkpointing, ...) say nothing about phases
         if _CKPT_RE.search(fr.name):
             return "checkpoint"
         if _EVAL_RE.search(fr.name):
             return "eval"
-    return ""
+    return "forward" if forward else ""
 
 
 def classify(view: RankView) -> Position:
@@ -165,7 +173,7 @@ class CulpritVerdict:
     positions: dict[int, Position]
     candidates: list[int] = field(default_factory=list)  # all odd ranks, most telling first
     causes: list[dict[str, str]] = field(default_factory=list)  # known causes (seed cases) shown by the evidence
-    phase: str = ""  # "checkpoint", "eval" or "exit": a long healthy pause, not (yet) a hang
+    phase: str = ""  # "checkpoint", "eval", "forward" or "exit": what the ranks' frames show
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -282,7 +290,8 @@ def known_causes(pos: Mapping[int, Position], views: Mapping[int, RankView], cul
     if "stopped" in kinds:
         add("process_stopped", "a worker was stopped (SIGSTOP, a debugger or job control) and never continued")
     if culprit_kind == "user" and pos[culprit].busy:
-        add("busy_loop", "the culprit loops in its own code holding the GIL while the others wait in a collective")
+        add("busy_loop", "the culprit stays busy in its own code (a loop or a call that never returns) while the "
+            "others wait in a collective")
     if "dataloader" in kinds:
         add("dataloader", "training hangs while reading data with the DataLoader: lower num_workers (seed: 训练中途卡死, case 4)")
     if "init" in kinds:

@@ -1,4 +1,4 @@
-"""Is the job hung? Two rules over plain samples (no clocks, no I/O: callers pass the time).
+"""Is the job hung? Rules over plain samples (no clocks, no I/O: callers pass the time).
 
 1. The seed's rule (ModelArts hang detection, ``MA_HANG_DETECT_TIME``): every period the I/O
    counters of all worker processes and their children are read. Any change anywhere means the job
@@ -6,12 +6,14 @@
    judged: if its variance and the median are flat, nothing is computing either — hung. Without a
    GPU, each rank's CPU utilisation (from its CPU time) is the series.
 
-2. The step rule, when step samples are known: the job's own step times give a threshold
-   ``slack + factor × p99(step time)``. No step finished for longer than that, and no I/O for a few
-   periods, is a hang candidate within seconds. The first step (compilation, warm-up, rendezvous)
-   never counts: the rule starts after ``min_step_gaps`` regular steps. Long pauses between steps
-   (checkpoint saves, evaluation) are recognised by the caller from the stacks and get their own
-   allowance (``phase_allowance``), learned from earlier pauses of the same kind.
+2. Steps, when step samples are known: the job's own step times give a threshold
+   ``slack + factor × p99(step time)``. No step finished for longer than that is a *stall*, not yet
+   a hang: whether it is one is judged per rank from its progress (detect.progress) — a rank that
+   is busy and progressing makes it at most a suspicion. The first steps (compilation, warm-up,
+   rendezvous) never count: the threshold is trusted after ``min_step_gaps`` regular steps. Long
+   healthy pauses (checkpoint saves, evaluation, DataLoader refills) get allowances learned from
+   the job's own earlier pauses of the same kind (``phase_allowance``); no step at all for
+   ``detect_time`` is a hang whatever the ranks do (the seed's window).
 """
 
 from __future__ import annotations
@@ -27,22 +29,32 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class HangConfig:
     period: float = 1.0  # seconds between samples
-    detect_time: float = 1800.0  # seed rule: seconds without I/O change (MA_HANG_DETECT_TIME=30 min)
+    detect_time: float = 1800.0  # seed: seconds without I/O change / without a step (MA_HANG_DETECT_TIME=30 min)
     util_window: float = 60.0  # seconds of utilisation judged by the seed rule (at most detect_time)
     util_max_stdev: float = 5.0  # percentage points; a flatter series has "no change"
     util_max_shift: float = 5.0  # percentage points between the medians of the window's two halves
-    quiet_periods: int = 3  # "several periods" without I/O before the step rule may fire
     step_slack: float = 5.0  # seconds added to factor × p99 step time
     step_factor: float = 3.0
-    min_step_gaps: int = 3  # regular step intervals needed before the step rule is trusted
+    min_step_gaps: int = 3  # regular step intervals needed before the step threshold is trusted
     pause_factor: float = 5.0  # an interval above this × median is a pause (checkpoint, eval)
+    # Progress (detect.progress): a rank that shows none of it for `window` seconds is not progressing.
+    window: float = 5.0  # seconds (and at least 2 samples) a rank must stand still to count as stuck
+    idle_cpu: float = 5.0  # percent of one core over the window: less is no CPU progress
+    stack_every: float = 1.0  # seconds between py-spy samples while steps are stalled
+    # Learned allowances: factor × the longest healthy pause of the same kind, at least the floor.
+    phase_floor: float = 60.0  # a recognised phase (checkpoint, evaluation, forward passes, DataLoader)
+    phase_factor: float = 3.0
+    first_step_floor: float = 60.0  # the first step of a restarted attempt
 
     def __post_init__(self) -> None:
-        for name in ("period", "detect_time", "util_window", "step_factor", "pause_factor"):
+        for name in ("period", "detect_time", "util_window", "step_factor", "pause_factor", "window",
+                     "stack_every", "phase_factor"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"hang detection: {name} must be > 0 (got {getattr(self, name)!r})")
-        if self.step_slack < 0 or self.quiet_periods < 1 or self.min_step_gaps < 1:
-            raise ValueError("hang detection: step_slack >= 0, quiet_periods >= 1, min_step_gaps >= 1")
+        if self.step_slack < 0 or self.min_step_gaps < 1 or self.idle_cpu < 0:
+            raise ValueError("hang detection: step_slack >= 0, min_step_gaps >= 1, idle_cpu >= 0")
+        if self.phase_floor < 0 or self.first_step_floor < 0:
+            raise ValueError("hang detection: phase_floor >= 0, first_step_floor >= 0")
 
 
 @dataclass(frozen=True)
@@ -180,14 +192,37 @@ def step_stats(steps: Mapping[int, Sequence[StepLike]], cfg: HangConfig, since: 
     return StepStats(ready, threshold, p99, median, len(regular), len(pauses), max(pauses, default=0.0), last_end, last_step)
 
 
-def phase_allowance(longest_seen: float | None, threshold: float, cfg: HangConfig) -> float:
-    """Seconds without a step allowed while the stacks show a checkpoint save or an evaluation.
+def phase_allowance(longest_seen: float | None, threshold: float, cfg: HangConfig, recognised: bool = True) -> float:
+    """Seconds without a step that a *progressing* rank may take before it is a suspicion.
 
-    The first time a phase is seen, the seed's detect_time (nothing learned yet); afterwards twice
-    the longest pause of that kind so far (at least the step threshold, at most detect_time)."""
+    ``phase_factor`` × the longest healthy pause of the same kind seen so far (``longest_seen``),
+    at least the step threshold, at most ``detect_time``. A recognised phase (a checkpoint save, an
+    evaluation, forward passes, a DataLoader refill) gets at least ``phase_floor`` even the first
+    time; anything else only the step threshold until it was seen once. Allowances never cover a
+    rank that shows no progress (detect.progress decides that)."""
+    floor = cfg.phase_floor if recognised else 0.0
+    learned = cfg.phase_factor * longest_seen if longest_seen else 0.0
+    return min(cfg.detect_time, max(threshold, floor, learned))
+
+
+def busy_limit(longest_seen: float | None, cfg: HangConfig) -> float:
+    """How long a rank may stay busy on the very same frame (no I/O, no span, flat GPU) before it
+    counts as stuck. Busy work cannot be told from a busy loop within seconds (a long evaluation
+    spends most samples in one ``Linear.forward``), so only what the job itself showed shortens
+    ``detect_time``: ``phase_factor`` × the longest healthy pause of that kind, at least
+    ``phase_floor``."""
     if not longest_seen:
         return cfg.detect_time
-    return min(cfg.detect_time, max(threshold, 2.0 * longest_seen))
+    return min(cfg.detect_time, max(cfg.phase_floor, cfg.phase_factor * longest_seen))
+
+
+def first_step_allowance(longest_first: float | None, cfg: HangConfig) -> float | None:
+    """Seconds from the workers' start to their first step before a stall is judged, learned from
+    earlier attempts (``phase_factor`` × the longest seen, at least ``first_step_floor``). None
+    before any attempt reached a step: then only the seed rule watches the start."""
+    if not longest_first:
+        return None
+    return min(cfg.detect_time, max(cfg.first_step_floor, cfg.phase_factor * longest_first))
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,12 +231,11 @@ def phase_allowance(longest_seen: float | None, threshold: float, cfg: HangConfi
 
 @dataclass
 class Assessment:
-    hang: bool
-    rule: str  # "io+utilisation" (seed rule) or "steps"; "" when not hung
+    hang: bool  # the seed rule fired
+    rule: str  # "io+utilisation" when it did; "" otherwise
     message: str
     signals: dict[str, Any]
-    stall: float = 0.0  # seconds since the job's last finished step (steps rule)
-    allowance: float = 0.0  # phase allowance that was in force
+    stall: float = 0.0  # seconds since the job's last finished step (0 when no step is known)
     steps: StepStats | None = None
 
 
@@ -245,10 +279,12 @@ class HangDetector:
         source = window[-1][1] if window else "cpu"
         return judge_utilisation([v for v, s in window if s == source], self.cfg, source)
 
-    def assess(self, now: float, steps: Mapping[int, Sequence[StepLike]], allowance: float = 0.0) -> Assessment:
+    def assess(self, now: float, steps: Mapping[int, Sequence[StepLike]]) -> Assessment:
+        """The seed rule's verdict, and how long steps have stalled (judged by the caller)."""
         cfg = self.cfg
         io_quiet = now - self.last_io_change
         stats = step_stats(steps, cfg, since=self.start - 1.0)
+        stall = now - stats.last_end if stats.last_end > -math.inf else 0.0
         signals: dict[str, Any] = {
             "io_quiet_s": round(io_quiet, 2),
             "period_s": cfg.period,
@@ -257,6 +293,8 @@ class HangDetector:
             "states": {str(r): s for r, s in sorted(self.states.items())},
             "steps": stats.to_dict(),
         }
+        if stats.last_end > -math.inf:
+            signals["stall_s"] = round(stall, 2)
         # Seed rule: quiet I/O for detect_time, then flat utilisation.
         if io_quiet >= cfg.detect_time:
             util = self.utilisation(now - min(cfg.detect_time, cfg.util_window))
@@ -268,26 +306,7 @@ class HangDetector:
                     f"no I/O from any worker for {io_quiet:.0f}s and {util.source.upper()} utilisation "
                     f"unchanged over {util.samples} samples",
                     signals,
-                    steps=stats,
-                )
-        # Step rule: no step for longer than the learned threshold, and no I/O meanwhile.
-        if stats.ready and stats.last_end > -math.inf:
-            stall = now - stats.last_end
-            limit = max(stats.threshold, allowance)
-            signals.update(stall_s=round(stall, 2), limit_s=round(limit, 2), allowance_s=round(allowance, 2))
-            if stall > limit and io_quiet >= cfg.quiet_periods * cfg.period:
-                util = self.utilisation(stats.last_end)
-                signals["utilisation"] = util.to_dict()
-                why = f"phase allowance {allowance:.1f}s" if allowance > stats.threshold else (
-                    f"threshold {stats.threshold:.1f}s = {cfg.step_slack:g}s + {cfg.step_factor:g} × p99 {stats.p99:.3f}s"
-                )
-                return Assessment(
-                    True,
-                    "steps",
-                    f"no step finished for {stall:.1f}s ({why}) and no I/O for {io_quiet:.1f}s",
-                    signals,
                     stall=stall,
-                    allowance=allowance,
                     steps=stats,
                 )
-        return Assessment(False, "", "", signals, steps=stats)
+        return Assessment(False, "", "", signals, stall=stall, steps=stats)

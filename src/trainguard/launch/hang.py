@@ -1,13 +1,15 @@
-"""Hang monitor: finds a hung job in seconds, names the culprit rank and its stack.
+"""Hang monitor: judges stalled steps by each rank's progress, names the culprit rank and its stack.
 
 It runs on its own thread (``poll`` only hands over the evidence): every ``--hang-period`` it reads
-the I/O and CPU counters of every worker and its children (probes.proc), GPU utilisation through
-NVML when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The pure
-detector (detect.hang) says when the job looks hung; py-spy stacks (probes.stacks) then say where
-every rank is, which rank is the culprit (detect.culprit), and whether a long pause is a checkpoint
-save or an evaluation that has its own allowance. A confirmed hang is recorded as ``hang_detected``
-with the evidence, written as a readable report in the run dir, and handed to the policy as
-``HangEvidence`` (``policy.decide_on_hang``).
+the I/O, CPU and state of every worker and its children (probes.proc), GPU utilisation through
+NVML when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The
+seed's rule (detect.hang) watches I/O and utilisation. When steps stall (no step for the learned
+threshold, or the first step of a later attempt past its learned allowance), py-spy samples every
+rank's stack every ``stack_every`` seconds; detect.progress judges each rank's progress over the
+window and the stall: ``hang_suspected`` (warning: the candidate is busy and progressing; the watch
+goes on, ``hang_cleared`` when steps resume) or ``hang_detected`` (no progress, or no step for
+``--hang-detect-time``). Both are recorded with the evidence and a readable report in the run dir
+and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides).
 """
 
 from __future__ import annotations
@@ -20,11 +22,31 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
-from trainguard.detect.hang import Activity, Assessment, HangConfig, HangDetector, phase_allowance
+from trainguard.detect.hang import (
+    Activity,
+    Assessment,
+    HangConfig,
+    HangDetector,
+    busy_limit,
+    first_step_allowance,
+    phase_allowance,
+)
+from trainguard.detect.progress import (
+    BUSY,
+    PROGRESSING,
+    Limits,
+    Progress,
+    RankSamples,
+    StallVerdict,
+    decide_stall,
+    judge_progress,
+    phase_of,
+)
 from trainguard.evidence import HangEvidence
 from trainguard.launch.hang_report import HangReport, write_report
 from trainguard.launch.monitor import Monitor, MonitorContext
@@ -34,6 +56,7 @@ from trainguard.probes import nvml, proc, stacks
 log = logging.getLogger(__name__)
 
 STACK_TIMEOUT = 10.0
+FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
 # Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
 DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
 
@@ -120,8 +143,60 @@ class _Gpu:
         return nvml.utilization(self.indices) if self.indices else None
 
 
+class _History:
+    """The last few /proc samples and py-spy stacks of every rank (bounded), for detect.progress."""
+
+    def __init__(self, cfg: HangConfig) -> None:
+        keep = int(max(cfg.window, 4 * cfg.stack_every) / cfg.period) + 8
+        self.procs: dict[int, deque[proc.ProcSample]] = {}
+        self.stacks: dict[int, deque[tuple[float, tuple[stacks.Frame, ...] | None]]] = {}
+        self.same_since: dict[int, float] = {}  # rank -> when its main-thread stack last changed
+        self._keep = keep
+
+    def add_procs(self, samples: dict[int, proc.ProcSample]) -> None:
+        for r, s in samples.items():
+            self.procs.setdefault(r, deque(maxlen=self._keep)).append(s)
+
+    def add_stacks(self, when: float, views: dict[int, RankView]) -> None:
+        for r, v in views.items():
+            frames = tuple(v.frames) if v.frames else None
+            q = self.stacks.setdefault(r, deque(maxlen=16))
+            prev = next((f for _, f in reversed(q) if f is not None), None)
+            if frames is not None and (prev is None or _sig(frames) != _sig(prev)):
+                self.same_since[r] = when
+            q.append((when, frames))
+
+    def clear_stacks(self) -> None:
+        self.stacks.clear()
+        self.same_since.clear()
+
+    def samples(self, rank: int, now: float, cfg: HangConfig, since: float) -> RankSamples:
+        """The rank's window: ``cfg.window`` seconds (or the last 3 stack samples when they go
+        further back), never before ``since`` (the stall's start: the last step's own log line
+        is no progress of the stall)."""
+        st = list(self.stacks.get(rank, ()))
+        start = now - cfg.window
+        if len(st) >= 3:
+            start = min(start, st[-3][0])
+        start = max(start, since)
+        st = [(t, f) for t, f in st if t >= start - 1e-6]
+        ps = [p for p in self.procs.get(rank, ()) if p.time >= start - 1e-6]
+        return RankSamples(
+            rank,
+            times=[p.time for p in ps],
+            states=[p.state if p.alive else "" for p in ps],
+            cpu=[p.cpu for p in ps],
+            io=[p.io for p in ps],
+            stacks=[f for _, f in st],
+        )
+
+
+def _sig(frames: tuple[stacks.Frame, ...]) -> tuple[tuple[str, str, int], ...]:
+    return tuple((f.name, f.filename, f.line) for f in frames)
+
+
 class _Watch:
-    """One attempt's watch: samples, assesses, confirms with stacks. Runs on the monitor's thread."""
+    """One attempt's watch: samples, judges stalls by the ranks' progress. Runs on the monitor's thread."""
 
     def __init__(self, ctx: MonitorContext, cfg: HangConfig, learned: dict[str, float], gpu: _Gpu | None) -> None:
         self.ctx = ctx
@@ -129,49 +204,172 @@ class _Watch:
         self.learned = learned  # phase kind -> longest healthy pause seen (kept across attempts)
         self.gpu = gpu
         self.detector = HangDetector(cfg, start=time.time())
-        self.allowance = 0.0
-        self.phase = ""
-        self.phase_since = -math.inf
-        self.recheck_at = math.inf
+        self.history = _History(cfg)
+        self.next_stacks = -math.inf
+        self.stall_phases: set[str] = set()  # the phases seen during the current stall
+        self.stall_from = -math.inf  # the last step end the current stall counts from
+        self.suspected: StallVerdict | None = None  # the suspicion in force (recorded once)
+        self.suspect_since: float | None = None  # when the stall first read as a suspicion
         self.remote_views: dict[int, RankView] = {}  # other nodes' ranks, when they named the culprit
+        self.remote_progress: dict[int, str] = {}
         self.exit_since: float | None = None  # when the workers were first seen shutting down
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
+        self.last_dumps: dict[int, stacks.StackDump] = {}
+        self.last_verdict: CulpritVerdict | None = None
+        self.last_views: dict[int, RankView] = {}
+        self.first_step_seen = False
+        # rank -> the healthy phase its stacks showed during this stall: one sample inside the
+        # user's own evaluation loop body must not lose the evaluation the others showed.
+        self.recent_phase: dict[int, str] = {}
 
     def round(self, now: float) -> HangEvidence | None:
         pids = self.ctx.pids()
         samples = proc.sample_workers(pids, now)
         if not any(s.alive and s.state not in ("Z", "X") for s in samples.values()):
             return None  # all workers exited: the agent handles that
+        self.history.add_procs(samples)
         self.detector.observe(
             now,
             [Activity(r, s.io, s.cpu, s.state, s.alive) for r, s in samples.items()],
             self.gpu.read() if self.gpu else None,
         )
         steps = {r: self.ctx.steps.recent(r) for r in pids}
-        a = self.detector.assess(now, steps, self.allowance)
-        stats = a.steps
-        if self.phase and stats is not None and stats.last_end > self.phase_since:
-            # Steps resumed after a checkpoint save / evaluation: learn how long that kind takes.
-            pause = stats.last_end - self.phase_since
-            self.learned[self.phase] = max(self.learned.get(self.phase, 0.0), pause)
-            log.info("hang: %s pause of %.1fs ended; allowance learned", self.phase, pause)
-            self.phase, self.allowance, self.recheck_at = "", 0.0, math.inf
+        a = self.detector.assess(now, steps)
         if a.hang and now >= self.hold_until:
-            return self._confirm(now, a, pids)
-        if self.phase and now >= self.recheck_at:
-            # Still paused: is it still the checkpoint/eval, or did it end in a hang?
-            plain = self.detector.assess(now, steps, 0.0)
-            if plain.hang:
-                verdict, _, _ = self._stacks(pids, steps)
-                if not verdict.phase:
-                    self.phase, self.allowance = "", 0.0
-                    return self._confirm(now, plain, pids)
-            self.recheck_at = now + self._recheck_every(a)
-        return None
+            return self._seed_rule(now, a, pids)
+        stats = a.steps
+        if stats is None:
+            return None
+        if stats.last_end == -math.inf:
+            # No step yet in this attempt: judged only once an earlier attempt showed how long its
+            # first step took (compile, warm-up, loading); before that only the seed rule watches.
+            allowed = first_step_allowance(self.learned.get(FIRST_STEP), self.cfg)
+            if allowed is None:
+                return None
+            since, stall, threshold = self.detector.start, now - self.detector.start, allowed
+        else:
+            if not self.first_step_seen:
+                self._learn_first_step(steps)
+            if stats.last_end > self.stall_from:
+                self._steps_resumed(now, stats.last_end)
+            since, stall = stats.last_end, a.stall
+            threshold = stats.threshold if stats.ready else math.inf
+        if stall < min(0.5 * threshold, self.cfg.detect_time):
+            return None
+        if now >= self.next_stacks:
+            # Stacks from half the threshold on: by the threshold there are several to compare.
+            t0 = time.monotonic()
+            verdict, dumps, views = self._stacks(pids, steps)
+            self.history.add_stacks(time.time(), views)
+            self.last_dumps, self.last_verdict, self.last_views = dumps, verdict, views
+            for r, pos in verdict.positions.items():
+                if phase_of(pos):
+                    self.recent_phase[r] = phase_of(pos)
+            self.next_stacks = now + max(self.cfg.stack_every, 2 * (time.monotonic() - t0))
+        verdict = self.last_verdict
+        if verdict is None or (stall <= threshold and stall < self.cfg.detect_time):
+            return None
+        return self._judge(now, dataclasses.replace(a, stall=stall), verdict, pids, since, threshold)
 
-    def _recheck_every(self, a: Assessment) -> float:
-        threshold = a.steps.threshold if a.steps and a.steps.ready else 0.0
-        return max(10.0, threshold, 3 * self.cfg.period)
+    def _learn_first_step(self, steps: dict[int, list]) -> None:
+        """The attempt's first step: how long it took from the workers' start (the first-step
+        allowance of later attempts)."""
+        start = self.detector.start
+        ends = [s.end for samples in steps.values() for s in samples if s.end >= start - 1.0]
+        if not ends:
+            return
+        self.first_step_seen = True
+        took = min(ends) - start
+        if took > self.learned.get(FIRST_STEP, 0.0):
+            self.learned[FIRST_STEP] = took
+            log.debug("hang: first step after %.1fs; allowance learned", took)
+
+    def _steps_resumed(self, now: float, last_end: float) -> None:
+        """A step finished: a stall (if any) is over. Learn how long its phase took; clear a suspicion."""
+        if self.stall_from > -math.inf:
+            pause = last_end - self.stall_from
+            for phase in self.stall_phases:
+                if pause > self.learned.get(phase, 0.0):
+                    self.learned[phase] = pause
+                    log.debug("hang: %s pause of %.1fs ended; allowance learned", phase, pause)
+        if self.suspected is not None:
+            pause = last_end - self.stall_from
+            s = self.suspected
+            self.ctx.events.emit(
+                "hang_cleared",
+                f"hang suspicion cleared: steps resumed after {pause:.1f}s without a step "
+                f"(rank {s.culprit} {s.phase or 'own code'})",
+                severity="info",
+                rank=s.culprit,
+                evidence={"pause_s": round(pause, 2), "phase": s.phase, "culprit": s.culprit,
+                          "attempt": self.ctx.restart_count},  # fmt: skip
+            )
+        self.stall_from, self.stall_phases, self.suspected, self.suspect_since = last_end, set(), None, None
+        self.history.clear_stacks()
+        self.recent_phase.clear()
+        self.next_stacks = -math.inf
+
+    def _judge(
+        self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int], since: float, threshold: float
+    ) -> HangEvidence | None:
+        """The verdict on a stall of ``a.stall`` seconds (since ``since``, over ``threshold``)."""
+        cfg = self.cfg
+        verdict = dataclasses.replace(verdict, positions={
+            r: p if phase_of(p) else dataclasses.replace(p, phase=self.recent_phase.get(r, ""))
+            for r, p in verdict.positions.items()
+        })  # fmt: skip
+        progress = {
+            r: judge_progress(self.history.samples(r, now, cfg, since), cfg, waiting=p.waiting)
+            for r, p in verdict.positions.items()
+        }
+        threshold = min(threshold, cfg.detect_time)
+        limits = Limits(
+            threshold=threshold,
+            detect_time=cfg.detect_time,
+            allowance=lambda r, ph: phase_allowance(self.learned.get(ph), threshold, cfg, recognised=bool(ph)),
+            busy_limit=lambda r, ph: busy_limit(self.learned.get(ph), cfg),
+            frozen_for={r: now - t for r, t in self.history.same_since.items()},
+        )
+        sv = decide_stall(verdict, progress, a.stall, limits)
+        self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
+        multinode = self.ctx.nnodes > 1 and self.ctx.store is not None
+        if multinode:
+            self._publish(progress)
+        if sv.state == "detected" and sv.rule == "steps" and multinode:
+            verdict, sv = self._with_other_nodes(verdict, sv)
+        if sv.state != "suspected":
+            self.suspect_since = None
+        elif self.suspected is None:
+            # Recorded once it held for a window: a log line written just before a rank blocked
+            # reads as I/O progress for a moment; the window it leaves decides.
+            self.suspect_since = now if self.suspect_since is None else self.suspect_since
+            if now - self.suspect_since < cfg.window:
+                return None
+            self.suspected = sv
+            return self._record(now, a, sv, verdict, progress)
+        if sv.state != "detected":
+            return None
+        if self._moved_on(a, pids):
+            return None  # a step finished while we looked: slow, not hung
+        return self._record(now, a, sv, verdict, progress)
+
+    def _seed_rule(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
+        steps = {r: self.ctx.steps.recent(r) for r in pids}
+        verdict, dumps, views = self._stacks(pids, steps)
+        self.last_dumps = dumps
+        if self._moved_on(a, pids):
+            return None
+        if verdict.phase == "exit":
+            # Training is over and the processes are shutting down; only a shutdown that itself
+            # lasts detect_time is a hang.
+            self.exit_since = now if self.exit_since is None else self.exit_since
+            if now - self.exit_since < self.cfg.detect_time:
+                self.hold_until = now + max(10.0, 3 * self.cfg.period)
+                return None
+        if self.ctx.nnodes > 1 and self.ctx.store is not None:
+            verdict = self._merge_other_nodes(verdict, views)
+        sv = StallVerdict("detected", verdict.rank, a.rule, f"{verdict.reason}. {a.message}")
+        return self._record(now, a, sv, verdict, {})
 
     def _stacks(
         self, pids: dict[int, int], steps: dict[int, list]
@@ -198,46 +396,53 @@ class _Watch:
             )
         return find_culprit(views, nnodes=self.ctx.nnodes), dumps, views
 
-    def _confirm(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
-        steps = {r: self.ctx.steps.recent(r) for r in pids}
-        verdict, dumps, views = self._stacks(pids, steps)
-        stats = a.steps
-        if self._moved_on(a, pids):
-            return None  # a step finished or I/O happened while we looked: slow, not hung
-        if verdict.phase == "exit" and a.rule != "steps":
-            # Training is over and the processes are shutting down; only a shutdown that itself
-            # lasts detect_time is a hang.
-            self.exit_since = now if self.exit_since is None else self.exit_since
-            if now - self.exit_since < self.cfg.detect_time:
-                self.hold_until = now + self._recheck_every(a)
-                return None
-        if a.rule == "steps" and verdict.phase and stats is not None:
-            limit = phase_allowance(self.learned.get(verdict.phase), stats.threshold, self.cfg)
-            if a.stall <= limit:
-                # A checkpoint save or an evaluation: healthy long pause with its own allowance.
-                if self.phase != verdict.phase:
-                    log.info("hang: %s in progress, allowing %.0fs without a step", verdict.phase, limit)
-                self.phase, self.allowance = verdict.phase, limit
-                self.phase_since = stats.last_end
-                self.recheck_at = now + self._recheck_every(a)
-                return None
-        if self.ctx.nnodes > 1 and self.ctx.store is not None:
-            verdict = self._with_other_nodes(verdict, views)
-        return self._declare(now, a, verdict, dumps)
-
-    def _with_other_nodes(self, verdict: CulpritVerdict, views: dict[int, RankView]) -> CulpritVerdict:
-        """Share this node's stacks through the rendezvous store; when no local rank is the
-        culprit, look at the other nodes' stacks too (they see the same hang within seconds)."""
-        ctx = self.ctx
-        store = _client(ctx.store)
+    def _publish(self, progress: dict[int, Progress]) -> None:
+        """This node's latest stacks and progress, for the other nodes' verdicts."""
         try:
-            publish_views(store, ctx.restart_count, ctx.node_rank, views)
-            # Wait for the other nodes' stacks even when the culprit is here: they see the same hang
-            # within seconds, and declaring before them would restart the job under their feet.
-            remote = gather_views(store, ctx.restart_count, ctx.node_rank, ctx.nnodes, max(5.0, 3 * self.cfg.period))
-        except Exception as exc:  # the store going away must not stop the restart
+            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, self.last_views,
+                          {r: p.kind for r, p in progress.items()})  # fmt: skip
+        except Exception as exc:  # the store going away must not stop the watch
             log.warning("hang: could not share stacks with the other nodes: %s", exc)
-            return verdict
+
+    def _gather(self, key: str) -> dict[int, RankView]:
+        ctx = self.ctx
+        try:
+            remote, progress = gather_views(
+                _client(ctx.store), ctx.restart_count, ctx.node_rank, ctx.nnodes, max(5.0, 3 * self.cfg.period), key
+            )
+        except Exception as exc:
+            log.warning("hang: could not read the other nodes' stacks: %s", exc)
+            return {}
+        if key == HANG_VIEWS_KEY:
+            self.remote_progress = progress
+        return remote
+
+    def _with_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> tuple[CulpritVerdict, StallVerdict]:
+        """A local "no progress" verdict is only final when no rank on another node progresses:
+        the ranks here may all wait for a long evaluation over there."""
+        local = verdict.positions
+        self._gather(HANG_VIEWS_KEY)
+        moving = [r for r, k in self.remote_progress.items() if k in (PROGRESSING, BUSY) and r not in local]
+        culprit_dead = sv.culprit in local and not local[sv.culprit].waiting
+        if moving and not culprit_dead:
+            r = moving[0]
+            return verdict, StallVerdict("watch", r, "", f"rank {r} on another node progresses")
+        merged = self._merge_other_nodes(verdict, self.last_views)
+        if merged is not verdict:
+            sv = dataclasses.replace(sv, culprit=merged.rank, why=merged.reason)
+        return merged, sv
+
+    def _merge_other_nodes(self, verdict: CulpritVerdict, views: dict[int, RankView]) -> CulpritVerdict:
+        """Share this node's stacks at its verdict; when no local rank is the culprit, look at the
+        other nodes' stacks too. Waits for the other nodes' verdicts even when the culprit is
+        here: they see the same hang within seconds, and declaring before them would restart the
+        job under their feet."""
+        try:
+            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, views, {},
+                          HANG_DECIDED_KEY)  # fmt: skip
+        except Exception as exc:
+            log.warning("hang: could not share stacks with the other nodes: %s", exc)
+        remote = self._gather(HANG_DECIDED_KEY)
         if remote:
             self.remote_views = remote
         if verdict.rank is not None or not remote:
@@ -245,66 +450,94 @@ class _Watch:
         merged = find_culprit({**remote, **views}, nnodes=1)
         if merged.rank is None:
             return verdict
-        self.remote_views = remote
         if merged.rank not in views:
-            merged.reason += f" (from the stacks of all {ctx.nnodes} nodes: rank {merged.rank} is on another node)"
+            merged.reason += f" (from the stacks of all {self.ctx.nnodes} nodes: rank {merged.rank} is on another node)"
         return merged
 
     def _moved_on(self, a: Assessment, pids: dict[int, int]) -> bool:
         later = time.time()
         samples = proc.sample_workers(pids, later)
+        self.history.add_procs(samples)
         self.detector.observe(
             later,
             [Activity(r, x.io, x.cpu, x.state, x.alive) for r, x in samples.items()],
             self.gpu.read() if self.gpu else None,
         )
-        if self.detector.last_io_change == later:
+        if a.rule == "io+utilisation" and self.detector.last_io_change == later:
             return True
         if not any(x.alive and x.state not in ("Z", "X") for x in samples.values()):
             return True  # every worker has exited meanwhile: the agent takes it from here
-        last_end = max((s.end for r in pids for s in self.ctx.steps.recent(r)[-1:]), default=-math.inf)
+        start = self.detector.start - 1.0  # an earlier attempt's steps are not this one's
+        last_end = max((s.end for r in pids for s in self.ctx.steps.recent(r)[-1:] if s.end >= start), default=-math.inf)
         return a.steps is not None and last_end > a.steps.last_end
 
-    def _declare(self, now: float, a: Assessment, verdict: CulpritVerdict, dumps: dict[int, stacks.StackDump]) -> HangEvidence:
+    def _record(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress]
+    ) -> HangEvidence:
+        """Record ``hang_suspected`` (warning) or ``hang_detected`` (error) with the evidence and the
+        report file; hand the evidence to the policy."""
         ctx = self.ctx
+        dumps = self.last_dumps
+        level = sv.state
+        rule = sv.rule or "steps"
+        signals = dict(a.signals, progress={str(r): p.to_dict() for r, p in sorted(progress.items())},
+                       limit_s=round(sv.limit, 2), phase=sv.phase)  # fmt: skip
+        shown = dataclasses.replace(a, rule=rule, message=sv.why, signals=signals)
         report = None
         try:
-            report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, a, verdict, dumps, self.remote_views))
+            report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, shown, verdict, dumps,
+                                                          self.remote_views, level))  # fmt: skip
         except OSError as exc:  # a full disk must not stop the restart
             log.error("could not write the hang report: %s", exc)
-        culprit_dump = dumps.get(verdict.rank) if verdict.rank is not None else None
+        culprit = sv.culprit
+        culprit_dump = dumps.get(culprit) if culprit is not None else None
         main = culprit_dump.main_thread() if culprit_dump else None
-        who = f"rank {verdict.rank}" if verdict.rank is not None else "no single rank"
-        causes = ", ".join(c["cause"] for c in verdict.causes)
-        message = f"job hung ({a.rule}): culprit {who}: {verdict.reason}. {a.message}" + (
-            f". Known causes: {causes}" if causes else ""
-        )
+        who = f"rank {culprit}" if culprit is not None else "no single rank"
+        causes = ", ".join(c["cause"] for c in verdict.causes) if level == "detected" else ""
+        p = progress.get(culprit) if culprit is not None else None
+        reason = verdict.reason if culprit == verdict.rank else sv.why
+        if level == "suspected":
+            message = (f"hang suspected: no step for {a.stall:.0f}s (allowance {sv.limit:.0f}s); candidate {who}: "
+                       f"{sv.why}. Not a hang yet: watching (hang_detected if progress stops, or after "
+                       f"{self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
+        else:
+            message = f"job hung ({rule}): culprit {who}: {sv.why}" + (f". Known causes: {causes}" if causes else "")
         evidence = {
-            "rule": a.rule,
-            "signals": a.signals,
-            "culprit": verdict.rank,
-            "reason": verdict.reason,
+            "level": level,
+            "rule": rule,
+            "signals": signals,
+            "culprit": culprit,
+            "reason": reason,
+            "doing": sv.why,
+            "progress": p.to_dict() if p else None,
             "candidates": verdict.candidates,
             "causes": verdict.causes,
-            "stack": [str(f) for f in main.frames] if main else _remote_stack(self.remote_views, verdict.rank),
+            "stack": [str(f) for f in main.frames] if main else _remote_stack(self.remote_views, culprit),
             "stack_error": culprit_dump.error if culprit_dump else None,
             "ranks": {
                 str(r): {
                     "pid": dumps[r].pid if r in dumps else None,
                     "state": dumps[r].state if r in dumps else None,
-                    "summary": p.describe(),
-                    **p.to_dict(),
+                    "summary": pos.describe(),
+                    **pos.to_dict(),
+                    **({"progress": progress[r].kind} if r in progress else {}),
                 }
-                for r, p in sorted(verdict.positions.items())
+                for r, pos in sorted(verdict.positions.items())
             },
             "report": str(report) if report else None,
             "attempt": ctx.restart_count,
         }
-        ctx.events.emit("hang_detected", message, severity="error", rank=verdict.rank, evidence=evidence)
-        return HangEvidence(verdict.rank, a.rule, verdict.reason, list(verdict.causes), evidence["report"], ctx.restart_count)
+        kind, severity = ("hang_suspected", "warning") if level == "suspected" else ("hang_detected", "error")
+        ctx.events.emit(kind, message, severity=severity, rank=culprit, evidence=evidence)
+        return HangEvidence(
+            culprit, rule, reason, list(verdict.causes) if level == "detected" else [], evidence["report"],
+            ctx.restart_count, level=level, progress=p.kind if p else "", doing=sv.why,
+        )  # fmt: skip
 
 
+# Each node's latest stacks and progress while steps stall; its stacks again when it declares.
 HANG_VIEWS_KEY = "trainguard/hang/{attempt}/{node_rank}"
+HANG_DECIDED_KEY = "trainguard/hang/{attempt}/{node_rank}/declared"
 
 
 def _remote_stack(views: dict[int, RankView], rank: int | None) -> list[str]:
@@ -341,14 +574,25 @@ def view_from_dict(rank: int, d: dict[str, Any]) -> RankView:
     )
 
 
-def publish_views(store: Any, attempt: int, node_rank: int, views: dict[int, RankView]) -> None:
-    data = {str(r): view_to_dict(v) for r, v in views.items()}
-    store.set(HANG_VIEWS_KEY.format(attempt=attempt, node_rank=node_rank), json.dumps(data))
+def publish_views(
+    store: Any,
+    attempt: int,
+    node_rank: int,
+    views: dict[int, RankView],
+    progress: dict[int, str] | None = None,
+    key: str = HANG_VIEWS_KEY,
+) -> None:
+    """This node's views, each with the rank's progress kind (detect.progress) when judged."""
+    data = {str(r): {**view_to_dict(v), "progress": (progress or {}).get(r, "")} for r, v in views.items()}
+    store.set(key.format(attempt=attempt, node_rank=node_rank), json.dumps(data))
 
 
-def gather_views(store: Any, attempt: int, node_rank: int, nnodes: int, wait_s: float) -> dict[int, RankView]:
-    """The other nodes' published views, waiting up to wait_s for all of them (fewer is fine)."""
-    keys = [HANG_VIEWS_KEY.format(attempt=attempt, node_rank=n) for n in range(nnodes) if n != node_rank]
+def gather_views(
+    store: Any, attempt: int, node_rank: int, nnodes: int, wait_s: float, key: str = HANG_VIEWS_KEY
+) -> tuple[dict[int, RankView], dict[int, str]]:
+    """The other nodes' published views and progress kinds, waiting up to wait_s for all of them
+    (fewer is fine)."""
+    keys = [key.format(attempt=attempt, node_rank=n) for n in range(nnodes) if n != node_rank]
     deadline = time.monotonic() + wait_s
     while True:
         ready = [k for k in keys if store.check([k])]
@@ -356,13 +600,15 @@ def gather_views(store: Any, attempt: int, node_rank: int, nnodes: int, wait_s: 
             break
         time.sleep(0.2)
     views: dict[int, RankView] = {}
+    progress: dict[int, str] = {}
     for key in ready:
         try:
             data = json.loads(store.get(key))
             views.update({int(r): view_from_dict(int(r), d) for r, d in data.items()})
-        except (ValueError, TypeError, KeyError) as exc:
+            progress.update({int(r): str(d.get("progress") or "") for r, d in data.items()})
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("hang: ignoring malformed stacks under %s: %s", key, exc)
-    return views
+    return views, progress
 
 
 class HangMonitor(Monitor):
@@ -372,7 +618,7 @@ class HangMonitor(Monitor):
         self.cfg = cfg
         self._learned: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._evidence: HangEvidence | None = None
+        self._evidence: list[HangEvidence] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gpu: _Gpu | None = None
@@ -380,7 +626,7 @@ class HangMonitor(Monitor):
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._stop_thread()
         with self._lock:
-            self._evidence = None
+            self._evidence = []
         self._stop = threading.Event()
         watch = _Watch(ctx, self.cfg, self._learned, None)
         self._thread = threading.Thread(target=self._run, args=(watch, self._stop), name="trainguard-hang", daemon=True)
@@ -400,8 +646,10 @@ class HangMonitor(Monitor):
             if found is not None:
                 with self._lock:
                     if not stop.is_set():
-                        self._evidence = found
-                return  # one hang per attempt: the policy restarts the group
+                        self._evidence.append(found)
+                if found.level == "detected":
+                    return  # one hang per attempt: the policy decides on it
+            # (a suspicion is handed over and the watch goes on)
             next_at += self.cfg.period
             if next_at < time.monotonic():  # a slow round (stack dumps): skip, do not catch up
                 next_at = time.monotonic() + self.cfg.period
@@ -409,7 +657,11 @@ class HangMonitor(Monitor):
 
     def poll(self, ctx: MonitorContext) -> HangEvidence | None:
         with self._lock:
-            found, self._evidence = self._evidence, None
+            if not self._evidence:
+                return None
+            # A detected hang outranks a suspicion handed over in the same poll interval.
+            found = max(self._evidence, key=lambda e: e.level == "detected")
+            self._evidence = []
         return found
 
     def _stop_thread(self) -> None:

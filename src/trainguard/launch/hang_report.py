@@ -13,10 +13,10 @@ from trainguard.detect.hang import Assessment
 from trainguard.probes.stacks import StackDump
 
 
-def report_path(run_dir: Path, when: float, node: str, attempt: int) -> Path:
+def report_path(run_dir: Path, when: float, node: str, attempt: int, suffix: str = "") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
     safe_node = re.sub(r"[^A-Za-z0-9_.-]", "_", node) or "node"
-    return Path(run_dir) / f"hang-{stamp}-{safe_node}-attempt{attempt}.txt"
+    return Path(run_dir) / f"hang-{stamp}-{safe_node}-attempt{attempt}{suffix}.txt"
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class HangReport:
     verdict: CulpritVerdict
     dumps: dict[int, StackDump]
     remote: dict[int, RankView] = field(default_factory=dict)  # other nodes' ranks
+    level: str = "detected"  # or "suspected": steps stopped, the culprit still progresses
 
 
 def render(r: HangReport) -> str:
@@ -38,7 +39,7 @@ def render(r: HangReport) -> str:
     )
     culprit = "unknown (see reason)" if verdict.rank is None else f"rank {verdict.rank}"
     lines = [
-        "trainguard hang report",
+        "trainguard hang report" + (" (suspected: the candidate is still busy or progressing; watching)" if r.level == "suspected" else ""),
         f"time:    {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(when))}",
         f"node:    {node}    attempt: {attempt}",
         f"culprit: {culprit}",
@@ -78,7 +79,8 @@ def render(r: HangReport) -> str:
 
 
 def write_report(run_dir: Path, report: HangReport) -> Path:
-    path = report_path(run_dir, report.when, report.node, report.attempt)
+    suffix = "-suspected" if report.level == "suspected" else ""
+    path = report_path(run_dir, report.when, report.node, report.attempt, suffix)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(render(report), encoding="utf-8")

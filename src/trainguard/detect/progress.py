@@ -1,0 +1,240 @@
+"""Progress is not a hang: per-rank progress over a window, and the verdict on a stall.
+
+Pure: takes samples as data (no clocks, no I/O, no processes).
+
+When steps stop, a rank shows *progress* when any of these move across the window's samples: its
+Python stack (the main thread's frames in several py-spy samples), its CPU time (the process and
+its children: DataLoader workers, compile workers), its I/O counters, its span records, its GPU's
+utilisation (seed 000: "no change" is a flat variance and median). A rank shows *no* progress when
+it is stopped (SIGSTOP, a debugger), gone, in uninterruptible sleep (D) with no I/O, or idle: no CPU,
+no I/O, no span and the very same stack for the whole window.
+
+A rank in a collective (``Position.waiting``) waits for somebody else: its CPU (comm threads may
+spin) and its I/O (a logging thread) say nothing about the job, only a moving stack, new spans or
+a changing GPU do.
+
+The verdict (``decide_stall``) on a stall longer than the step threshold:
+
+- ``detected``: the job shows no progress — a rank is stopped / gone / stalled in D; or nobody
+  progresses and the culprit is idle while the others wait for it (or all wait: a mismatched
+  collective, a rank on another node); or a rank stayed busy on the very same frame for longer
+  than its learned limit; or no step at all for ``detect_time`` (the seed's window, whatever
+  the ranks do).
+- ``suspected``: a rank is busy and progressing for longer than its phase's allowance: a warning,
+  keep watching.
+- ``watch``: a recognised healthy phase within its learned allowance, or too few samples yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.detect.culprit import CulpritVerdict, FrameLike, Position
+from trainguard.detect.hang import HangConfig, series_stats
+
+PROGRESSING = "progressing"  # stack, I/O, spans or GPU moved
+BUSY = "busy"  # on CPU, but on the very same frame, no I/O, no span: long work or a loop
+IDLE = "idle"  # nothing moved
+STOPPED = "stopped"  # SIGSTOP / job control / a debugger (state T or t)
+STALLED = "stalled"  # uninterruptible sleep (D) the whole window, with no I/O
+GONE = "gone"
+UNKNOWN = "unknown"  # too few samples to say
+NO_PROGRESS = (IDLE, STOPPED, STALLED, GONE)
+NEVER_HEALTHY = (STOPPED, STALLED, GONE)  # no allowance covers these
+
+
+@dataclass(frozen=True)
+class RankSamples:
+    """What one rank did over the judged window, oldest sample first."""
+
+    rank: int
+    times: Sequence[float] = ()  # /proc sample times
+    states: Sequence[str] = ()  # /proc state letter at each ("" = gone)
+    cpu: Sequence[float] = ()  # cumulative CPU seconds of the process tree at each
+    io: Sequence[tuple[int, ...] | None] = ()  # cumulative I/O counters of the tree at each (None: unreadable)
+    stacks: Sequence[Sequence[FrameLike] | None] = ()  # main thread frames per py-spy sample (None: unreadable)
+    spans: Sequence[int] = ()  # cumulative span records seen at each /proc sample (empty: unknown)
+    gpu: Sequence[float] = ()  # utilisation of this rank's GPU per sample (empty: no GPU known)
+
+
+@dataclass(frozen=True)
+class Progress:
+    kind: str  # PROGRESSING BUSY IDLE STOPPED STALLED GONE UNKNOWN
+    moved: tuple[str, ...] = ()  # the signals that moved: stack, cpu, io, spans, gpu
+    cpu_percent: float = 0.0  # of one core, over the window
+    seconds: float = 0.0  # the window's length
+    samples: int = 0  # py-spy samples compared
+
+    @property
+    def progressing(self) -> bool:
+        return self.kind in (PROGRESSING, BUSY)
+
+    def describe(self) -> str:
+        if self.kind == PROGRESSING:
+            what = {"stack": "its stack moves", "io": "it does I/O", "spans": "it records spans",
+                    "gpu": "its GPU utilisation changes", "cpu": f"CPU {self.cpu_percent:.0f}%"}  # fmt: skip
+            return "progressing: " + ", ".join(what[m] for m in self.moved)
+        return {
+            BUSY: f"busy on the same frame: CPU {self.cpu_percent:.0f}%, same stack in {self.samples} samples, no I/O",
+            IDLE: f"no progress for {self.seconds:.1f}s: CPU {self.cpu_percent:.0f}%, no I/O, same stack in "
+            f"{self.samples} samples",
+            STOPPED: "no progress: stopped (state T)",
+            STALLED: f"no progress: uninterruptible sleep (state D) with no I/O for {self.seconds:.1f}s",
+            GONE: "no progress: the process is gone",
+            UNKNOWN: "not enough samples yet",
+        }[self.kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "moved": list(self.moved), "cpu_percent": round(self.cpu_percent, 1),
+                "window_s": round(self.seconds, 2), "stack_samples": self.samples, "summary": self.describe()}  # fmt: skip
+
+
+def _signature(frames: Sequence[FrameLike]) -> tuple[tuple[str, str, int], ...]:
+    return tuple((f.name, f.filename, f.line) for f in frames)
+
+
+def judge_progress(s: RankSamples, cfg: HangConfig, waiting: bool = False) -> Progress:
+    """One rank's progress over the window. ``waiting``: its main thread waits in a collective."""
+    if not s.times:
+        return Progress(UNKNOWN)
+    last = s.states[-1] if s.states else "?"
+    if last in ("", "Z", "X", "gone"):
+        return Progress(GONE)
+    seconds = s.times[-1] - s.times[0]
+    cpu = 100.0 * max(0.0, s.cpu[-1] - s.cpu[0]) / seconds if seconds > 0 and len(s.cpu) > 1 else 0.0
+    stacks = [_signature(f) for f in s.stacks if f is not None]
+    # A stop is unambiguous at once; standing still needs the whole window (80 %: sampling jitter).
+    enough = len(s.times) >= 2 and seconds >= min(cfg.window, 2 * cfg.period) * 0.8
+    full = len(s.times) >= 2 and seconds >= cfg.window * 0.8
+    if enough and all(st in ("T", "t") for st in s.states[-2:]):
+        return Progress(STOPPED, cpu_percent=cpu, seconds=seconds)
+    readable = [x for x in s.io if x is not None]
+    io = len(set(readable)) > 1
+    moved = []
+    if len(set(stacks)) > 1:
+        moved.append("stack")
+    if io and not waiting:
+        moved.append("io")
+    if len(set(s.spans)) > 1:
+        moved.append("spans")
+    if len(s.gpu) >= 3 and not series_stats(list(s.gpu), cfg).unchanged:
+        moved.append("gpu")
+    if full and all(st == "D" for st in s.states) and not io:
+        return Progress(STALLED, cpu_percent=cpu, seconds=seconds, samples=len(stacks))
+    if moved:
+        return Progress(PROGRESSING, tuple(moved), cpu, seconds, len(stacks))
+    if cpu >= cfg.idle_cpu and not waiting:
+        return Progress(BUSY, ("cpu",), cpu, seconds, len(stacks))
+    if not full or len(stacks) < 2:
+        return Progress(UNKNOWN, cpu_percent=cpu, seconds=seconds, samples=len(stacks))
+    return Progress(IDLE, cpu_percent=cpu, seconds=seconds, samples=len(stacks))
+
+
+# --------------------------------------------------------------------------------------------
+# the verdict on a stall
+
+
+@dataclass(frozen=True)
+class StallVerdict:
+    state: str  # "watch" | "suspected" | "detected"
+    culprit: int | None
+    rule: str = ""  # for "detected": "steps" or "detect-time"
+    why: str = ""  # one sentence: what the culprit does and why that is (not) a hang
+    phase: str = ""  # the culprit's phase ("checkpoint", "eval", "forward", "dataloader", "" = unrecognised)
+    limit: float = 0.0  # the allowance or limit the stall was held against
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "culprit": self.culprit, "rule": self.rule, "why": self.why,
+                "phase": self.phase, "limit_s": round(self.limit, 2)}  # fmt: skip
+
+
+def phase_of(p: Position) -> str:
+    """The healthy-phase kind a rank's position shows (the key of its learned allowance)."""
+    if p.phase:
+        return p.phase
+    return "dataloader" if p.kind == "dataloader" else ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The allowances in force (seconds), from detect.hang's learned-allowance functions."""
+
+    threshold: float  # the step threshold (or the first-step allowance before steps are regular)
+    detect_time: float
+    allowance: Callable[[int, str], float]  # (rank, phase) -> seconds a progressing rank may take
+    busy_limit: Callable[[int, str], float]  # (rank, phase) -> seconds busy on the same frame
+    frozen_for: Mapping[int, float] = field(default_factory=dict)  # rank -> seconds its stack has not changed
+
+
+def _order(verdict: CulpritVerdict) -> list[int]:
+    """Ranks, the culprit finder's candidates first (most telling first), then the others."""
+    rest = [r for r in sorted(verdict.positions) if r not in verdict.candidates]
+    return [r for r in verdict.candidates if r in verdict.positions] + rest
+
+
+def _what(rank: int, verdict: CulpritVerdict, progress: Mapping[int, Progress]) -> str:
+    pos = verdict.positions[rank]
+    return f"rank {rank} {pos.describe()} ({progress[rank].describe()})"
+
+
+def decide_stall(
+    verdict: CulpritVerdict, progress: Mapping[int, Progress], stall: float, limits: Limits
+) -> StallVerdict:
+    """The verdict on a stall of ``stall`` seconds (already longer than ``limits.threshold``)."""
+    order = [r for r in _order(verdict) if r in progress]
+    pos = verdict.positions
+    if stall >= limits.detect_time:
+        culprit = verdict.rank if verdict.rank is not None else (order[0] if order else None)
+        why = f"no step finished for {stall:.0f}s (--hang-detect-time {limits.detect_time:.0f}s)"
+        if culprit is not None:
+            why += f"; {_what(culprit, verdict, progress)}"
+        return StallVerdict("detected", culprit, "detect-time", why, limit=limits.detect_time)
+    dead = [r for r in order if progress[r].kind in NEVER_HEALTHY]
+    if dead:
+        r = dead[0]
+        return StallVerdict("detected", r, "steps", _what(r, verdict, progress), phase_of(pos[r]), limits.threshold)
+    moving: list[int] = []
+    frozen: list[tuple[int, float]] = []
+    for r in order:
+        p = progress[r]
+        if p.kind == PROGRESSING:
+            moving.append(r)
+        elif p.kind == BUSY:
+            limit = limits.busy_limit(r, phase_of(pos[r]))
+            if limits.frozen_for.get(r, 0.0) >= limit:
+                frozen.append((r, limit))
+            else:
+                moving.append(r)
+    if moving:
+        r = moving[0]
+        phase = phase_of(pos[r])
+        allowed = limits.allowance(r, phase)
+        state = "watch" if stall <= allowed else "suspected"
+        return StallVerdict(state, r, "", _what(r, verdict, progress), phase, allowed)
+    if frozen:
+        r, limit = frozen[0]
+        why = f"{_what(r, verdict, progress)}: the same frame for {limits.frozen_for[r]:.0f}s, over its limit {limit:.0f}s"
+        return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limit)
+    if any(progress[r].kind == UNKNOWN for r in order):
+        return StallVerdict("watch", verdict.rank, "", "waiting for more samples", limit=limits.threshold)
+    # Nobody progresses: every rank is idle or waits.
+    waiting = [r for r in order if pos[r].waiting]
+    idle = [r for r in order if not pos[r].waiting]
+    if verdict.rank is not None and waiting:
+        # The culprit is idle while the others wait for it (or waits in a collective nobody else
+        # is in): no allowance covers a rank that shows no progress at all.
+        r = verdict.rank
+        why = f"{verdict.reason} ({progress[r].describe()})"
+        return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limits.threshold)
+    if not idle:  # all wait, no single culprit: mismatched collectives, or a rank on another node
+        return StallVerdict("detected", verdict.rank, "steps", verdict.reason, "", limits.threshold)
+    # All idle on their own (nobody waits for anybody): stuck on the same frames with flat
+    # utilisation — a hang once the stall outlasts the learned allowance of what they do.
+    r = idle[0]
+    phase = phase_of(pos[r])
+    allowed = limits.allowance(r, phase)
+    if stall <= allowed:
+        return StallVerdict("watch", r, "", _what(r, verdict, progress), phase, allowed)
+    return StallVerdict("detected", verdict.rank, "steps", verdict.reason, phase, allowed)

@@ -1,0 +1,243 @@
+"""Pure progress detector (detect.progress) over synthetic samples: what counts as progress, and
+the verdict on a stall (watch / suspected / detected) for the healthy phases and the faults."""
+
+from __future__ import annotations
+
+from trainguard.detect.culprit import RankView, find_culprit
+from trainguard.detect.hang import HangConfig, busy_limit, phase_allowance
+from trainguard.detect.progress import (
+    BUSY,
+    GONE,
+    IDLE,
+    PROGRESSING,
+    STALLED,
+    STOPPED,
+    UNKNOWN,
+    Limits,
+    RankSamples,
+    decide_stall,
+    judge_progress,
+)
+from trainguard.probes.stacks import Frame
+
+SP = "/venv/lib/python3.11/site-packages/torch"
+C10D = f"{SP}/distributed/distributed_c10d.py"
+MODULE = f"{SP}/nn/modules/module.py"
+CFG = HangConfig(period=1.0, detect_time=600.0, window=5.0, phase_floor=60.0)
+
+
+def barrier() -> tuple[Frame, ...]:
+    return (
+        Frame("barrier", C10D, 4100),
+        Frame("train", "/job/train.py", 80),
+        Frame("<module>", "/job/train.py", 200),
+    )
+
+
+def all_reduce() -> tuple[Frame, ...]:
+    return (
+        Frame("all_reduce", C10D, 2500),
+        Frame("train", "/job/train.py", 70),
+        Frame("<module>", "/job/train.py", 200),
+    )
+
+
+def forward(line: int) -> tuple[Frame, ...]:
+    """An evaluation through model.module: inside nn.Module.__call__, on a moving line."""
+    return (
+        Frame("forward", f"{SP}/nn/modules/linear.py", 125),
+        Frame("_call_impl", MODULE, 1750),
+        Frame("_wrapped_call_impl", MODULE, 1739),
+        Frame("run_generation", "/job/train.py", line),
+        Frame("<module>", "/job/train.py", 200),
+    )
+
+
+def user(func: str = "train", line: int = 60) -> tuple[Frame, ...]:
+    return (Frame(func, "/job/train.py", line), Frame("<module>", "/job/train.py", 200))
+
+
+def samples(rank: int, stacks, cpu_per_s: float = 0.0, io_moves: bool = False, state: str = "S",
+            spans=(), gpu=()) -> RankSamples:  # fmt: skip
+    n = len(stacks)
+    times = [100.0 + i for i in range(n)]
+    return RankSamples(
+        rank,
+        times=times,
+        states=[state] * n,
+        cpu=[cpu_per_s * i for i in range(n)],
+        io=[(i if io_moves else 7, 0) for i in range(n)],
+        stacks=list(stacks),
+        spans=list(spans),
+        gpu=list(gpu),
+    )
+
+
+# --- judge_progress -------------------------------------------------------------------------------
+
+
+def test_progress_moving_stack_is_progress() -> None:
+    p = judge_progress(
+        samples(0, [forward(10), forward(11), forward(12), forward(10), forward(13), forward(11)]), CFG
+    )
+    assert p.kind == PROGRESSING and "stack" in p.moved
+
+
+def test_progress_same_frame_on_cpu_is_busy_not_idle() -> None:
+    p = judge_progress(samples(0, [user("spin", 5)] * 6, cpu_per_s=1.0), CFG)
+    assert p.kind == BUSY and p.cpu_percent == 100.0 and p.progressing
+
+
+def test_progress_same_frame_no_cpu_no_io_is_idle() -> None:
+    p = judge_progress(samples(1, [user("sleepy", 41)] * 6), CFG)
+    assert p.kind == IDLE and not p.progressing
+
+
+def test_progress_io_counts_but_not_for_a_waiting_rank() -> None:
+    assert judge_progress(samples(0, [user("save", 3)] * 6, io_moves=True), CFG).kind == PROGRESSING
+    # a rank in a collective: a logging thread's writes or comm threads' CPU say nothing
+    waiting = judge_progress(samples(1, [barrier()] * 6, cpu_per_s=0.5, io_moves=True), CFG, waiting=True)
+    assert waiting.kind == IDLE
+
+
+def test_progress_spans_and_gpu_count() -> None:
+    assert judge_progress(samples(0, [user()] * 6, spans=[1, 1, 2, 2, 3, 3]), CFG).moved == ("spans",)
+    flat = samples(0, [user()] * 6, gpu=[100.0] * 6)
+    assert judge_progress(flat, CFG).kind == IDLE  # seed 000: flat variance and median is "no change"
+    moving = samples(0, [user()] * 6, gpu=[10.0, 90.0, 10.0, 90.0, 10.0, 90.0])
+    assert judge_progress(moving, CFG).moved == ("gpu",)
+
+
+def test_progress_stopped_and_d_state_and_gone_are_never_progress() -> None:
+    # SIGSTOP right after a save: the frames still show the checkpoint code, CPU was high before
+    stopped = judge_progress(samples(1, [user("save_checkpoint", 9)] * 6, state="T"), CFG)
+    assert stopped.kind == STOPPED and not stopped.progressing
+    assert judge_progress(samples(1, [user()] * 6, state="D"), CFG).kind == STALLED
+    assert (
+        judge_progress(samples(1, [user()] * 6, state="D", io_moves=True), CFG).kind == PROGRESSING
+    )  # slow disk, still writing
+    assert judge_progress(samples(1, [user()] * 3, state=""), CFG).kind == GONE
+
+
+def test_progress_too_few_samples_is_unknown() -> None:
+    assert judge_progress(RankSamples(0), CFG).kind == UNKNOWN
+    assert judge_progress(samples(0, [user()]), CFG).kind == UNKNOWN
+
+
+# --- decide_stall ---------------------------------------------------------------------------------
+
+
+def limits(threshold: float = 6.0, learned: dict[str, float] | None = None, frozen: dict[int, float] | None = None,
+           cfg: HangConfig = CFG) -> Limits:  # fmt: skip
+    learned = learned or {}
+    return Limits(
+        threshold=threshold,
+        detect_time=cfg.detect_time,
+        allowance=lambda r, ph: phase_allowance(learned.get(ph), threshold, cfg, recognised=bool(ph)),
+        busy_limit=lambda r, ph: busy_limit(learned.get(ph), cfg),
+        frozen_for=frozen or {},
+    )
+
+
+def judged(views: dict[int, RankView], stacks: dict[int, list], opts: dict[int, dict] | None = None):
+    verdict = find_culprit(views)
+    opts = opts or {}
+    progress = {r: judge_progress(samples(r, stacks[r], **opts.get(r, {})), CFG, waiting=verdict.positions[r].waiting)
+                for r in views}  # fmt: skip
+    return verdict, progress
+
+
+def test_stall_rank0_evaluation_while_others_wait_is_watched_then_suspected_never_detected() -> None:
+    """Issue 11's false kill: rank 0 evaluates (through model.module) for 40 s, the others wait."""
+    ev = [forward(10 + i % 3) for i in range(6)]
+    views = {
+        0: RankView(0, "R", ev[-1], busy=True),
+        1: RankView(1, "S", barrier()),
+        2: RankView(2, "S", barrier()),
+    }
+    verdict, progress = judged(
+        views, {0: ev, 1: [barrier()] * 6, 2: [barrier()] * 6}, {0: {"cpu_per_s": 1.0}}
+    )
+    assert progress[0].kind == PROGRESSING and verdict.positions[0].phase == "forward"
+    sv = decide_stall(verdict, progress, 40.0, limits())
+    assert sv.state == "watch" and sv.culprit == 0 and sv.limit == 60.0  # the phase floor
+    sv = decide_stall(verdict, progress, 90.0, limits())
+    assert sv.state == "suspected" and sv.culprit == 0 and "progressing" in sv.why
+    assert decide_stall(verdict, progress, 600.0, limits()).state == "detected"  # the seed's window
+
+
+def test_stall_learned_allowance_grows_with_the_jobs_own_phases() -> None:
+    ev = [forward(10 + i % 3) for i in range(6)]
+    views = {0: RankView(0, "R", ev[-1], busy=True), 1: RankView(1, "S", barrier())}
+    verdict, progress = judged(views, {0: ev, 1: [barrier()] * 6}, {0: {"cpu_per_s": 1.0}})
+    assert (
+        decide_stall(verdict, progress, 100.0, limits(learned={"forward": 45.0})).state == "watch"
+    )  # 3 × 45 s
+
+
+def test_stall_stopped_rank_after_a_save_is_detected_at_once() -> None:
+    """HF Trainer case: a rank frozen just after a save is not 'saving a checkpoint'."""
+    views = {0: RankView(0, "S", barrier()), 1: RankView(1, "T", user("_save_checkpoint", 9))}
+    verdict, progress = judged(
+        views, {0: [barrier()] * 6, 1: [user("_save_checkpoint", 9)] * 6}, {1: {"state": "T"}}
+    )
+    sv = decide_stall(verdict, progress, 8.0, limits(learned={"checkpoint": 600.0}))
+    assert sv.state == "detected" and sv.culprit == 1 and "stopped" in sv.why
+
+
+def test_stall_idle_rank_before_the_collective_is_detected() -> None:
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", user("train", 66))}
+    verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: [user("train", 66)] * 6})
+    sv = decide_stall(verdict, progress, 8.0, limits())
+    assert sv.state == "detected" and sv.culprit == 1 and sv.rule == "steps"
+
+
+def test_stall_mismatched_collectives_detected() -> None:
+    bc = (
+        Frame("broadcast", C10D, 2600),
+        Frame("sync", "/job/train.py", 120),
+        Frame("<module>", "/job/train.py", 200),
+    )
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", bc), 2: RankView(2, "S", all_reduce())}
+    verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: [bc] * 6, 2: [all_reduce()] * 6})
+    sv = decide_stall(verdict, progress, 8.0, limits())
+    assert sv.state == "detected" and sv.culprit == 1
+
+
+def test_stall_busy_loop_suspected_then_detected_when_frozen_past_its_limit() -> None:
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "R", user("spin", 5), busy=True)}
+    verdict, progress = judged(
+        views, {0: [all_reduce()] * 6, 1: [user("spin", 5)] * 6}, {1: {"cpu_per_s": 1.0}}
+    )
+    assert progress[1].kind == BUSY
+    sv = decide_stall(verdict, progress, 8.0, limits(frozen={1: 8.0}))
+    assert sv.state == "suspected" and sv.culprit == 1  # busy: a loop or long work, not known yet
+    sv = decide_stall(verdict, progress, 700.0, limits(frozen={1: 700.0}))
+    assert sv.state == "detected" and sv.culprit == 1
+
+
+def test_stall_all_ranks_evaluating_without_collective_is_watched() -> None:
+    evs = {r: [forward(20 + (i + r) % 4) for i in range(6)] for r in (0, 1)}
+    views = {r: RankView(r, "R", evs[r][-1], busy=True) for r in (0, 1)}
+    verdict, progress = judged(views, evs, {0: {"cpu_per_s": 1.0}, 1: {"cpu_per_s": 1.0}})
+    assert decide_stall(verdict, progress, 30.0, limits()).state == "watch"
+
+
+def test_stall_dataloader_blocking_while_workers_compute_is_watched() -> None:
+    dl = (Frame("_next_data", f"{SP}/utils/data/dataloader.py", 1300), Frame("train", "/job/train.py", 50),
+          Frame("<module>", "/job/train.py", 200))  # fmt: skip
+    views = {0: RankView(0, "S", dl), 1: RankView(1, "S", dl)}
+    # the main threads block on the queue; their worker processes (the tree's CPU) compute
+    verdict, progress = judged(
+        views, {0: [dl] * 6, 1: [dl] * 6}, {0: {"cpu_per_s": 1.5}, 1: {"cpu_per_s": 1.5}}
+    )
+    assert {p.kind for p in progress.values()} == {BUSY}
+    sv = decide_stall(verdict, progress, 20.0, limits(frozen={0: 20.0, 1: 20.0}))
+    assert sv.state == "watch" and sv.phase == "dataloader"
+
+
+def test_stall_waiting_for_more_samples() -> None:
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", user())}
+    verdict = find_culprit(views)
+    progress = {r: judge_progress(samples(r, [views[r].frames]), CFG) for r in views}
+    assert decide_stall(verdict, progress, 8.0, limits()).state == "watch"
