@@ -42,7 +42,7 @@ class RunDirLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         error_files = {}
         for local_rank, env in envs.items():
-            path = error_file_path(self.run_dir, int(env["TRAINGUARD_RESTART_COUNT"]), int(env["RANK"]))
+            path = error_file_path(self.run_dir, int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists():
                 path.unlink()
@@ -114,7 +114,7 @@ class TrainguardPContext(SubprocessContext):
         handlers = {}
         for local_rank, spec in specs.items():
             env = spec["env"]
-            rank, attempt = int(env["RANK"]), int(env["TRAINGUARD_RESTART_COUNT"])
+            rank, attempt = int(env["RANK"]), int(env["TRAINGUARD_ATTEMPT"])
             worker = prestarted[local_rank] if prestarted else self.pool.spawn_direct(spec)
             path = rank_log_path(self.run_dir, attempt, rank)
             tee = self.tee_ranks is None or local_rank in self.tee_ranks
