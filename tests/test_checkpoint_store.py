@@ -3,6 +3,7 @@ snapshots, persist/prune, corrupt and partial checkpoints, a full disk, events."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -183,7 +184,7 @@ def test_checkpoint_corrupt_newest_falls_back_with_warning_event(monitor):
     w2.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "no_manifest", "bad_manifest", "no_data"])
+@pytest.mark.parametrize("damage", ["truncate", "no_manifest", "bad_manifest", "no_data", "deep_manifest", "huge_shape"])
 def test_checkpoint_partial_newest_is_skipped(tmp_path, damage):
     for step in (1, 2):
         tree_tensors = {
@@ -203,6 +204,13 @@ def test_checkpoint_partial_newest_is_skipped(tmp_path, damage):
         (sdir / disk.manifest_name(0)).unlink()
     elif damage == "bad_manifest":
         (sdir / disk.manifest_name(0)).write_bytes(b'{"format": "trainguard-ckpt/1", "tree"')
+    elif damage == "deep_manifest":  # issue 18.10: json's RecursionError escaped load_latest()
+        (sdir / disk.manifest_name(0)).write_bytes(b'{"format": "trainguard-ckpt/1", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    elif damage == "huge_shape":  # an empty tensor whose strides overflow int64: torch raised RuntimeError
+        meta = json.loads((sdir / disk.manifest_name(0)).read_bytes())
+        meta["tensors"].append({"dtype": "int64", "shape": [0, 2**62, 2**62], "offset": 0, "nbytes": 0})
+        meta["tree"] = {"D": [["w", {"T": 0}], ["z", {"T": 1}], ["step", 2]]}
+        (sdir / disk.manifest_name(0)).write_text(json.dumps(meta))
     else:
         (sdir / disk.data_name(0)).unlink()
     shm = make_shm_dir(tmp_path)

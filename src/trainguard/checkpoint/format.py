@@ -153,6 +153,8 @@ def decode_manifest(raw: bytes) -> dict[str, Any]:
         meta = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
+    except (RecursionError, MemoryError) as exc:  # a crafted file (arrays nested 100,000 deep): corrupt, not a crash
+        raise FormatError(f"manifest cannot be decoded: {type(exc).__name__}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise FormatError("not a trainguard checkpoint manifest")
     for key in ("tree", "tensors", "step"):
@@ -174,6 +176,10 @@ def parse_entries(raw: list[Any], data_len: int) -> list[TensorEntry]:
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"tensor {i}: bad entry ({exc})") from None
         itemsize = torch.empty((), dtype=dtype).element_size()
+        # Strides are products of the dims (zeros counted as 1): they must fit in int64 even when
+        # the tensor is empty, or torch fails building the view ("Stride calculation overflowed").
+        if math.prod(max(s, 1) for s in shape) * itemsize >= 1 << 63:
+            raise FormatError(f"tensor {i}: shape {shape} is too large")
         if any(s < 0 for s in shape) or nbytes != math.prod(shape) * itemsize:
             raise FormatError(f"tensor {i}: shape {shape} does not match {nbytes} bytes")
         if offset < 0 or offset % ALIGN or offset + nbytes > data_len:

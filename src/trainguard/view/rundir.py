@@ -43,8 +43,17 @@ def check_run_dir(path: str | Path) -> Path:
             run_dir = run_dir.parent
     if not run_dir.is_dir():
         raise NotARunDir(f"{run_dir} is not a directory: not a trainguard run directory")
-    if not event_dbs(run_dir):
+    dbs = event_dbs(run_dir)
+    if not dbs:
         raise NotARunDir(f"no events.db or events/*.db in {run_dir}: not a trainguard run directory")
+    reader = RunEvents(run_dir)
+    try:
+        reader.read(kinds=["job_started"])  # opens every database: is any of them one?
+    finally:
+        reader.close()
+    if len(reader.problems) == len(dbs):  # none can be read: an error, not an empty view
+        db, why = next(iter(reader.problems.items()))
+        raise NotARunDir(f"cannot read {db}: {why}")
     return run_dir
 
 
