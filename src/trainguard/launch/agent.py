@@ -328,6 +328,8 @@ class TrainguardAgent(LocalElasticAgent):
             return self._poll_monitors(worker_group, result)
         if result.state == WorkerState.FAILED:
             return self._on_failure(worker_group, result)
+        if result.state == WorkerState.SUCCEEDED and self.procs is not None and self.procs.exit_crashes:
+            failures.report_exit_crashes(self.bus, self.procs, self.attempt)
         return result
 
     def _follow_peers(self, wg: WorkerGroup, force: bool = False) -> Decision | None:
@@ -360,7 +362,7 @@ class TrainguardAgent(LocalElasticAgent):
         return result
 
     def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
-        fs = failures.order(failures.collect(result, self.procs))
+        fs = failures.order(failures.collect(result, self.procs), failures.early_exits(result, self.procs))
         failures.report(self.bus, fs, self.attempt)
         self.final_failures = fs.failures
         if self._follow_peers(wg, force=True) is not None:

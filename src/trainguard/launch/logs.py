@@ -40,6 +40,12 @@ def error_file_path(run_dir: Path, attempt: int, rank: int) -> Path:
     return attempt_dir(run_dir, attempt) / f"error-{rank}.json"
 
 
+def finished_file_path(run_dir: Path, attempt: int, rank: int) -> Path:
+    """Written by a worker whose training script returned (or exited 0): whatever ends the process
+    after that (a crash in interpreter teardown) happened once its work was done."""
+    return attempt_dir(run_dir, attempt) / f"finished-{rank}"
+
+
 def stamp() -> str:
     return datetime.now().strftime("%Y-%m-%dT%H:%M:%S.%f")
 
