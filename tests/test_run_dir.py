@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
+import subprocess
 
 import pytest
 from tgtest import EXAMPLE, alive, events, processes_of, rank_log, wait_event, wait_for
@@ -63,3 +66,56 @@ def test_a_second_job_on_a_run_dir_is_refused_until_the_first_is_gone(tmp_path, 
 
 def first_node(run_dir):
     return events(run_dir, "job_started")[0].node
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 6 MB tmpfs, unmounted whatever happens."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6M", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+
+
+def _fill(path) -> None:
+    """Write until the filesystem has no byte left (ENOSPC at 64 KB, then at 1 byte)."""
+    with open(path, "wb", buffering=0) as f:
+        for size in (64 << 10, 4 << 10, 1):
+            while True:
+                try:
+                    f.write(b"\0" * size)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+
+
+def test_a_full_run_dir_keeps_the_job_record(small_fs, jobs):
+    """18.7: the run dir fills up mid-job. Training finishes; its end and every checkpoint failure
+    are still events (the store's reserve), each write failure is said once, not per line."""
+    run_dir = small_fs / "R"
+    job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", run_dir,
+               EXAMPLE, "--steps", "60", "--step-time-ms", "40", "--ckpt", "trainguard", "--ckpt-every", "5",
+               "--hidden", "256")  # fmt: skip
+    wait_event(run_dir, "job_started")
+    wait_for(lambda: "step=3 " in (rank_log(run_dir, 0, 0).read_text() if rank_log(run_dir, 0, 0).exists() else ""),
+             what="rank 0 at step 3")
+    _fill(run_dir / "filler")
+    assert job.wait() == 0, job.output()[-3000:]
+
+    out = job.output()
+    assert "Traceback" not in out and "Logging error" not in out, out[-3000:]
+    assert events(run_dir, "job_succeeded"), "the run's end was lost"
+    failed = events(run_dir, "checkpoint_failed")
+    assert failed, out[-3000:]
+    assert out.count("[checkpoint_failed]") == len(failed)  # every one the console saw is stored
+    assert out.count("events are stored in the space the store reserved") == 1  # the disk did fill: said once
+    for rank in (0, 1):  # said once per rank log, not once per line
+        assert out.count(f"cannot write {rank_log(run_dir, 0, rank)}") <= 1
+    assert out.count("cannot write the agent log") <= 1
