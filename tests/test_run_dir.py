@@ -1,4 +1,5 @@
-"""A run dir used again, or by two jobs at once (issue 18 items 2 and 3), with real jobs."""
+"""A run dir used again, by two jobs at once, by several nodes at once, or filled up (issue 18 items 2, 3, 7
+ and per-node event databases), with real jobs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import signal
 import subprocess
 
 import pytest
-from tgtest import EXAMPLE, alive, events, processes_of, rank_log, wait_event, wait_for
+from tgtest import (
+    EXAMPLE,
+    alive,
+    events,
+    free_port,
+    processes_of,
+    rank_log,
+    trainguard_cmd,
+    wait_event,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -119,3 +130,32 @@ def test_a_full_run_dir_keeps_the_job_record(small_fs, jobs):
     for rank in (0, 1):  # said once per rank log, not once per line
         assert out.count(f"cannot write {rank_log(run_dir, 0, rank)}") <= 1
     assert out.count("cannot write the agent log") <= 1
+
+
+def test_several_agents_on_one_run_dir_each_write_their_own_event_database(tmp_path, jobs):
+    """Per-node event databases: three agents (nodes on loopback) share one run dir, as on a shared
+    filesystem; each writes only events/<node>.db, every reader merges them, and all three agree on
+    one run id and attempt numbering."""
+    run_dir = tmp_path / "R"
+    port = free_port()
+    common = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-id", "shared", "--max-restarts", "0", "--run-dir", run_dir,
+              "--precheck", "off", "--quiet"]  # fmt: skip
+    nodes = ["node0", "node1", "node2"]
+    started = [jobs("run", *common, "--node-name", n, EXAMPLE, "--steps", "15", name=n) for n in nodes]
+    for job in started:
+        assert job.wait() == 0, job.output()[-3000:]
+
+    assert sorted(p.name for p in (run_dir / "events").iterdir() if p.suffix == ".db") == [f"{n}.db" for n in nodes]
+    assert not (run_dir / "events.db").exists()
+    for n in nodes:  # each database holds its own node's events only
+        assert {e.node for e in events(run_dir / "events" / f"{n}.db")} == {n}
+    merged = events(run_dir)
+    assert [e.time for e in merged] == sorted(e.time for e in merged)
+    assert sorted(e.node for e in events(run_dir, "job_succeeded")) == nodes
+    started_ev = events(run_dir, "job_started")
+    assert sorted(e.node for e in started_ev) == nodes
+    assert len({e.evidence["run_id"] for e in started_ev}) == 1 and {e.evidence["attempt"] for e in started_ev} == {0}
+    res = subprocess.run(trainguard_cmd("events", run_dir, "--kind", "job_succeeded"), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 0 and all(n in res.stdout for n in nodes), res.stdout + res.stderr
