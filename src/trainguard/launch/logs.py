@@ -43,7 +43,7 @@ def error_file_path(run_dir: Path, attempt: int, rank: int) -> Path:
 def finished_file_path(run_dir: Path, attempt: int, rank: int) -> Path:
     """Written by a worker whose training script returned (or exited 0): whatever ends the process
     after that (a crash in interpreter teardown) happened once its work was done."""
-    return attempt_dir(run_dir, attempt) / f"finished-{rank}"
+    return attempt_dir(run_dir, attempt) / f"finished-{rank}.json"  # .json: log scanners skip it
 
 
 def stamp() -> str:

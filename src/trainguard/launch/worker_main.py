@@ -98,7 +98,7 @@ def _say_finished() -> None:
     env = os.environ
     try:
         path = finished_file_path(Path(env["TRAINGUARD_RUN_DIR"]), int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
-        path.write_text(f"{time.time()}\n")
+        path.write_text(json.dumps({"finished": time.time(), "pid": os.getpid()}) + "\n")
     except (KeyError, ValueError, OSError):  # not under the agent, or a full disk: the exit code alone decides
         pass
 
