@@ -5,9 +5,9 @@ run dir holds several runs. Each run's attempts continue the numbering of the di
 (``logs/attempt-<n>``): a new run never writes into a log directory an earlier run wrote, and the
 diagnosis of a failure reads only this run's lines.
 
-The first agent of a rendezvous round to get there proposes a run (a fresh id, and the attempt
-after the highest ``logs/attempt-<n>`` it finds); ``compare_set`` on the round's store makes every
-node take the same one. The scan happens before any worker of the new run starts (workers start
+The first agent to get there proposes a run (a fresh id, and the attempt after the highest
+``logs/attempt-<n>`` it finds); ``compare_set`` on the rendezvous store makes every node take the
+same one, nodes that join in a later round included. The scan happens before any worker of the new run starts (workers start
 after the rendezvous), so whichever node's proposal wins, its first attempt is past every
 directory an earlier run wrote. A node that already belongs to a run keeps it in later rounds.
 """
@@ -60,14 +60,17 @@ def propose(run_dir: Path) -> RunInfo:
     return RunInfo(time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3), next_attempt(run_dir))
 
 
-def agree(store: Any, run_dir: Path, mine: RunInfo | None) -> RunInfo:
-    """The run this node belongs to, agreed through the round's store (``mine``: the run it already
-    belongs to, kept). Without a store that can compare-and-set, the node's own proposal."""
+def agree(store: Any, run_dir: Path, mine: RunInfo | None, job: str = "") -> RunInfo:
+    """The run this node belongs to, agreed through the rendezvous store (``mine``: the run it
+    already belongs to, kept; ``job``: the rendezvous id). The key lives in the store under the
+    rounds' prefixes, so a node that joins in a later round gets the run the first round agreed on,
+    not one of its own. Without a store that can compare-and-set, the node's own proposal."""
     offer = mine or propose(run_dir)
     if store is None:
         return offer
+    base = getattr(store, "underlying_store", None) or store  # torch's per-round PrefixStore: one key for every round
     try:
-        got = store.compare_set(RUN_KEY, "", offer.to_json())
+        got = base.compare_set(f"{RUN_KEY}/{job}", "", offer.to_json())
         agreed = RunInfo.from_json(got)
     except Exception as exc:  # a store without compare_set (or gone): the scan alone keeps runs apart
         log.info("run id not agreed through the store (%s): using this node's own", exc)
