@@ -74,15 +74,11 @@ def worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
 
 
 def trainguard_pid(run_dir: Path, rank: int, attempt: int) -> int:
-    from trainguard.events import EventStore
+    from trainguard.events.store import read_all
 
-    store = EventStore(run_dir, readonly=True)
-    try:
-        for e in store.query(kinds=["job_started"]):
-            if e.evidence.get("attempt") == attempt:
-                return int(e.evidence["pids"][str(rank)])
-    finally:
-        store.close()
+    for e in read_all(run_dir, kinds=["job_started"]):
+        if e.evidence.get("attempt") == attempt:
+            return int(e.evidence["pids"][str(rank)])
     raise LookupError
 
 

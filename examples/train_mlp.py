@@ -10,7 +10,9 @@ Prints `resume step=<n>` on start (0 when fresh) and `step=<n> rank=<r> t=<unix 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -36,9 +38,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=-1, help="step at which --fail-rank fails")
     p.add_argument(
         "--fail-mode",
-        choices=["raise", "zerodiv", "exit", "kill", "hang", "stop", "loop"],
+        choices=["raise", "zerodiv", "exit", "exit0", "kill", "hang", "stop", "loop", "abort-at-exit"],
         default="raise",
-        help="hang: sleep forever before the all-reduce; stop: SIGSTOP itself; loop: an endless busy loop",
+        help="hang: sleep forever before the all-reduce; stop: SIGSTOP itself; loop: an endless busy loop; exit0: "
+        "leave with exit code 0 (early); abort-at-exit: train to the end, then abort in the interpreter's teardown",
     )
     p.add_argument("--fail-always", action="store_true", help="fail on every attempt (default: first only)")
     return p.parse_args()
@@ -91,6 +94,15 @@ def maybe_fail(args: argparse.Namespace, rank: int, step: int) -> None:
         print(1 / 0)
     elif args.fail_mode == "exit":
         os._exit(3)
+    elif args.fail_mode == "exit0":
+        sys.exit(0)
+    elif args.fail_mode == "abort-at-exit":  # what torch's gloo teardown does under load (issue 4)
+        def abort() -> None:
+            print("terminate called without an active exception", file=sys.stderr, flush=True)
+            os.abort()
+
+        atexit.register(abort)
+        return
     elif args.fail_mode == "kill":
         os.kill(os.getpid(), 9)
     elif args.fail_mode == "hang":

@@ -23,6 +23,7 @@ from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import Checkpointer
 from trainguard.checkpoint.shm import Slot, slot_path
 from trainguard.events import EventBus, EventStore
+from trainguard.events.store import read_all
 from trainguard.launch.checkpoint_monitor import CheckpointMonitor
 from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
 
@@ -346,8 +347,4 @@ def test_checkpoint_end_to_end_under_trainguard_run(tmp_path, jobs, shm_root):
 
 
 def _events(run_dir: Path):
-    store = EventStore(run_dir, readonly=True)
-    try:
-        return store.query()
-    finally:
-        store.close()
+    return read_all(run_dir)  # every node's database of the run dir

@@ -3,6 +3,7 @@ snapshots, persist/prune, corrupt and partial checkpoints, a full disk, events."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -192,7 +193,7 @@ def test_checkpoint_corrupt_newest_falls_back_with_warning_event(monitor):
     w2.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "no_manifest", "bad_manifest", "no_data"])
+@pytest.mark.parametrize("damage", ["truncate", "no_manifest", "bad_manifest", "no_data"])  # crafted files: test_checkpoint_integrity
 def test_checkpoint_partial_newest_is_skipped(tmp_path, damage):
     for step in (1, 2):
         tree_tensors = {

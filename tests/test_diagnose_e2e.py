@@ -24,7 +24,7 @@ from tgtest import (
 )
 
 from trainguard.cli import main as cli_main
-from trainguard.events import EventStore
+from trainguard.events.store import read_all
 
 
 @pytest.mark.slow
@@ -33,11 +33,7 @@ def test_run_records_a_diagnosis_event_and_the_cli_agrees(jobs, tmp_path, capsys
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", run_dir,
                EXAMPLE, "--steps", "12", "--fail-rank", "1", "--fail-step", "4", "--fail-mode", "zerodiv")  # fmt: skip
     assert job.wait() != 0
-    store = EventStore(run_dir, readonly=True)
-    try:
-        (ev,) = store.query(kinds=["diagnosis"])
-    finally:
-        store.close()
+    (ev,) = read_all(run_dir, kinds=["diagnosis"])
     d = ev.evidence
     assert d["category"] == "python_exception" and ev.rank == 1
     assert "ZeroDivisionError: division by zero" in d["first_failure"]["line"]

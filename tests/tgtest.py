@@ -13,7 +13,8 @@ from pathlib import Path
 
 import psutil
 
-from trainguard.events import Event, EventStore
+from trainguard.events import Event
+from trainguard.events.store import read_all
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_mlp.py"
@@ -95,14 +96,8 @@ def wait_for(cond: Callable[[], object], timeout: float = DEADLINE, what: str = 
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[Event]:
-    db = run_dir / "events.db"
-    if not db.exists():
-        return []
-    store = EventStore(db, readonly=True)
-    try:
-        return store.query(kinds=[kind] if kind else None)
-    finally:
-        store.close()
+    """Every node's events of a run (or of one .db file), in time order."""
+    return read_all(run_dir, kinds=[kind] if kind else None)
 
 
 def wait_event(run_dir: Path, kind: str, timeout: float = DEADLINE, pred: Callable[[Event], bool] = lambda e: True) -> Event:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,39 @@ def number(what: str, *, integer: bool = False, minimum: float = 0.0, inclusive:
 positive = number("a number")
 positive_int = number("a positive integer", integer=True)
 non_negative = number("a number", inclusive=True)
+non_negative_int = number("an integer", integer=True, inclusive=True)
+
+
+def port(text: str) -> int:
+    """An argparse ``type``: a TCP port, 1..65535 (0 would mean "any port", never what a peer can reach)."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {text!r}")
+    return value
+
+
+port.__name__ = "port"
+
+
+def port_or_zero(text: str) -> int:
+    """A port to listen on: 0 asks the kernel for a free one."""
+    return 0 if text.strip() == "0" else port(text)
+
+
+port_or_zero.__name__ = "port"
+
+
+def dir_path(text: str) -> str:
+    """An argparse ``type``: a path that is a directory where it exists (a missing one is the
+    caller's to judge: a check may skip it)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory, got ''")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return text
+
+
+dir_path.__name__ = "directory"
 
 
 def given(options: Any, fields: Mapping[str, str]) -> dict[str, Any]:

@@ -274,6 +274,10 @@ def parse_entries(raw: list[Any], data_len: int) -> list[TensorEntry]:
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"tensor {i}: bad entry ({str(exc)[:200]})") from None
         itemsize = dtype.itemsize
+        # Strides are products of the dims (zeros counted as 1): they must fit in int64 even when
+        # the tensor is empty, or torch fails building the view ("Stride calculation overflowed").
+        if len(shape) <= MAX_DEPTH and math.prod(max(s, 1) for s in shape) * itemsize >= 1 << 63:
+            raise FormatError(f"tensor {i}: shape {shape} is too large")
         if len(shape) > MAX_DEPTH or any(not 0 <= s < 1 << 62 for s in shape) or nbytes != math.prod(shape) * itemsize:
             raise FormatError(f"tensor {i}: shape {shape} does not match {nbytes} bytes")
         if offset < 0 or offset % ALIGN or offset + nbytes > data_len:

@@ -10,36 +10,36 @@ import argparse
 import json
 
 from trainguard.checks.items import ITEM_NAMES, CheckConfig, passed, run_checks
-from trainguard.options import given
+from trainguard.options import dir_path, given, non_negative, non_negative_int, port, positive, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = CheckConfig()
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="GPUs the job will use on this node")
+    p.add_argument("--nproc-per-node", type=positive_int, default=None, help="GPUs the job will use on this node")
     p.add_argument("--gpu", choices=["auto", "require", "off"], default=None,
                    help=f"auto: check GPUs when present; require: fail without them (default {d.gpu_mode})")  # fmt: skip
     p.add_argument("--hostfile", action="append", default=None, metavar="GLOB",
                    help=f"host files whose names must resolve (default {' '.join(d.hostfile_globs)})")  # fmt: skip
     p.add_argument("--rdzv-endpoint", default=None, help="HOST[:PORT] that must resolve")
     p.add_argument("--master-addr", default=None, help="with --master-port: the port must be free here")
-    p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--root-dir", default=None, help=f"path checked by disk-size root (default {d.root_path})")
-    p.add_argument("--shm-dir", default=None, help=f"path checked by disk-size shm (default {d.shm_path})")
-    p.add_argument("--cache-dir", default=None,
+    p.add_argument("--master-port", type=port, default=None)
+    p.add_argument("--root-dir", type=dir_path, default=None, help=f"path checked by disk-size root (default {d.root_path})")
+    p.add_argument("--shm-dir", type=dir_path, default=None, help=f"path checked by disk-size shm (default {d.shm_path})")
+    p.add_argument("--cache-dir", type=dir_path, default=None,
                    help=f"path checked by disk-size cache, skipped if absent (default {d.cache_path})")  # fmt: skip
-    p.add_argument("--check-disk-root-gb", type=float, default=None, metavar="GB",
+    p.add_argument("--check-disk-root-gb", type=non_negative, default=None, metavar="GB",
                    help=f"free GB needed (> GB, default {d.root_min_gb:g})")  # fmt: skip
-    p.add_argument("--check-disk-shm-gb", type=float, default=None, metavar="GB", help=f"(default {d.shm_min_gb:g})")
-    p.add_argument("--check-disk-cache-gb", type=float, default=None, metavar="GB", help=f"(default {d.cache_min_gb:g})")
+    p.add_argument("--check-disk-shm-gb", type=non_negative, default=None, metavar="GB", help=f"(default {d.shm_min_gb:g})")
+    p.add_argument("--check-disk-cache-gb", type=non_negative, default=None, metavar="GB", help=f"(default {d.cache_min_gb:g})")
     p.add_argument("--ulimit", choices=["auto", "always", "never"], default=None,
                    help=f"auto: check limits only with an InfiniBand device (seed) (default {d.ulimit_mode})")  # fmt: skip
-    p.add_argument("--ulimit-memlock-kb", type=int, default=None, help=f"(default {d.ulimit_memlock_kb})")
-    p.add_argument("--ulimit-nofile", type=int, default=None, help=f"(default {d.ulimit_nofile})")
-    p.add_argument("--ulimit-stack-kb", type=int, default=None, help=f"(default {d.ulimit_stack_kb})")
-    p.add_argument("--ulimit-nproc", type=int, default=None, help=f"(default {d.ulimit_nproc})")
+    p.add_argument("--ulimit-memlock-kb", type=non_negative_int, default=None, help=f"(default {d.ulimit_memlock_kb})")
+    p.add_argument("--ulimit-nofile", type=non_negative_int, default=None, help=f"(default {d.ulimit_nofile})")
+    p.add_argument("--ulimit-stack-kb", type=non_negative_int, default=None, help=f"(default {d.ulimit_stack_kb})")
+    p.add_argument("--ulimit-nproc", type=non_negative_int, default=None, help=f"(default {d.ulimit_nproc})")
     p.add_argument("--require-cuda-toolkit", action="store_true", help="fail when nvcc is missing")
-    p.add_argument("--dns-timeout", type=float, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
+    p.add_argument("--dns-timeout", type=positive, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
     p.add_argument(
         "--skip", action="append", default=[], metavar="ITEM", help=f"leave out: {', '.join(ITEM_NAMES)}"
     )

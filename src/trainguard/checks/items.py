@@ -188,6 +188,8 @@ def check_disk(label: str, path: str, min_gb: float, flag: str, path_flag: str =
         return ItemResult(
             name, FAILED, f"{path} does not exist", fix=f"mount {path} or point the check elsewhere"
         )
+    if not os.path.isdir(path):  # statvfs of a file answers for its filesystem: not what was asked
+        return ItemResult(name, FAILED, f"{path} is not a directory", fix=f"point {path_flag or flag} at a directory")
     try:
         free = free_bytes(path)
     except OSError as exc:

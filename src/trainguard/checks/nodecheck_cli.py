@@ -24,17 +24,17 @@ from typing import Any
 from trainguard.checks.bench import CHAOS_ENV, parse_chaos
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
 from trainguard.detect.nodecheck import Verdict
-from trainguard.options import given
+from trainguard.options import given, non_negative_int, port, positive, positive_int
 
 EXIT_FAULTY, EXIT_STRAGGLER = 1, 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=positive_int, default=1)
+    p.add_argument("--node-rank", type=non_negative_int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1", help="host of the coordination store (node 0)")
-    p.add_argument("--master-port", type=int, default=29400)
-    p.add_argument("--local", type=int, default=0, metavar="N", help="simulate N nodes on this machine")
+    p.add_argument("--master-port", type=port, default=29400)
+    p.add_argument("--local", type=non_negative_int, default=0, metavar="N", help="simulate N nodes on this machine")
     p.add_argument("--chaos", action="append", default=[], metavar="NODE=MODE",
                    help="with --local: fault injection, MODE is fail or slow:<factor> (repeatable)")  # fmt: skip
     add_check_arguments(p, prefix="")
@@ -46,15 +46,15 @@ def add_check_arguments(p: Any, prefix: str = "node-check-") -> None:
     d = NodeCheckConfig()
     p.add_argument(f"--{prefix}backend", choices=["auto", "gloo", "nccl"], default=None,
                    help=f"collective backend (default {d.backend}: nccl with CUDA, else gloo)")  # fmt: skip
-    p.add_argument(f"--{prefix}timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument(f"--{prefix}timeout", type=positive, default=None, metavar="SECONDS",
                    help=f"limit for one group test: process start, group setup, benchmark (default {d.timeout_s:g})")  # fmt: skip
-    p.add_argument(f"--{prefix}gemm-n", type=int, default=None, help="GEMM size (default: 4096 on GPU, 256 on CPU)")
-    p.add_argument(f"--{prefix}coll-mb", type=float, default=None, help="MB per collective (default: 64 GPU, 1 CPU)")
-    p.add_argument(f"--{prefix}iters", type=int, default=None, help=f"timed iterations per operation (default {d.iters})")
-    p.add_argument(f"--{prefix}straggler-ratio", type=float, default=None,
+    p.add_argument(f"--{prefix}gemm-n", type=positive_int, default=None, help="GEMM size (default: 4096 on GPU, 256 on CPU)")
+    p.add_argument(f"--{prefix}coll-mb", type=positive, default=None, help="MB per collective (default: 64 GPU, 1 CPU)")
+    p.add_argument(f"--{prefix}iters", type=positive_int, default=None, help=f"timed iterations per operation (default {d.iters})")
+    p.add_argument(f"--{prefix}straggler-ratio", type=positive, default=None,
                    help=f"a straggler is at least this many times the median time, and beyond median + k*MAD "
                    f"(default {d.straggler_ratio:g})")  # fmt: skip
-    p.add_argument(f"--{prefix}straggler-k", type=float, default=None,
+    p.add_argument(f"--{prefix}straggler-k", type=positive, default=None,
                    help=f"k of the median + k*MAD rule (default {d.straggler_k:g})")
 
 

@@ -60,6 +60,7 @@ CATEGORIES = (
     "hang_no_error", "slowdown", "healthy",
     "exit_nonzero",  # exited with an error code and logged no error: cause unknown, worth a retry
     "killed_external",  # SIGKILL with no OOM-killer event: killed from outside the job (scheduler, person)
+    "early_exit",  # a rank exited 0 while the others trained on: they then lost their peer
 )  # fmt: skip
 # Cause families: what kind of failure a category is, for the policy (restart, exclude, stop).
 FAMILIES = ("user_code", "hardware", "communication", "signal", "exit", "environment")

@@ -129,7 +129,8 @@ def main(args: argparse.Namespace) -> int:
         print("trainguard slowdown: error: --window must be >= 1 and --threshold > 0", file=sys.stderr)
         return 2
     if not path.is_file():
-        print(f"trainguard slowdown: error: {path}: no such file", file=sys.stderr)
+        what = "is not a regular file" if path.exists() else "no such file"
+        print(f"trainguard slowdown: error: {path}: {what}", file=sys.stderr)
         return 2
     if args.follow and path.name.endswith(".gz"):
         print("trainguard slowdown: error: --follow does not work on .gz files", file=sys.stderr)

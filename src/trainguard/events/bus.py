@@ -24,6 +24,8 @@ class EventBus:
         self.node = node
         self._subscribers: list[Subscriber] = []
         self._lock = threading.Lock()
+        self._store_failing = False  # said once; said again when storing works again
+        self._reserve_said = False
 
     def subscribe(self, fn: Subscriber) -> None:
         with self._lock:
@@ -49,12 +51,29 @@ class EventBus:
         self.publish(event)
         return event
 
+    def _store(self, event: Event) -> None:
+        """Append to the store; a failing store (disk full past its reserve) is said once, not
+        once per event: every event still reaches the log and the console below."""
+        assert self.store is not None
+        try:
+            self.store.append(event)
+        except Exception as exc:  # the store failing must not stop the job
+            if not self._store_failing:
+                self._store_failing = True
+                log.error("events can no longer be stored in %s (%s): they go on to the console and the "
+                          "agent log only, until it works again", self.store.path, exc)
+            return
+        if self._store_failing:
+            self._store_failing = False
+            log.warning("events are stored in %s again", self.store.path)
+        if not self.store.reserve_ok and not self._reserve_said:
+            self._reserve_said = True
+            log.warning("the disk of %s is full: events are stored in the space the store reserved for this "
+                        "(%d KB left)", self.store.path, self.store.reserve_left() >> 10)
+
     def publish(self, event: Event) -> None:
         if self.store is not None:
-            try:
-                self.store.append(event)
-            except Exception as exc:  # the store failing (disk full) must not stop the job
-                log.error("could not store event %s: %s", event.kind, exc)
+            self._store(event)
         level = {Severity.INFO: logging.INFO, Severity.WARNING: logging.WARNING}.get(event.severity, logging.ERROR)
         if event.kind in ROUTINE_KINDS and event.severity == Severity.INFO:
             level = logging.DEBUG

@@ -1,14 +1,36 @@
-"""SQLite (WAL) store of events under the run directory."""
+"""SQLite stores of events: one database per node, merged by every reader.
+
+Layout of a run directory: ``events/<node>.db``, written by that node's agent only. Several agents
+sharing a run dir on a network filesystem (NFS, Lustre) never write the same SQLite file: SQLite's
+WAL mode needs shared memory between every process that opens the database, which hosts sharing
+an NFS mount do not have, and concurrent writers from several hosts depend on the filesystem's
+locking being right. With one writer per file, a reader on another host takes only read locks,
+and the worst a broken lock can do is a torn read it retries at its next poll. The per-node
+databases use a rollback journal (``PERSIST``, so the journal file keeps its blocks) instead of
+WAL for the same reason.
+
+A full disk must not lose the job's record: the writer keeps a reserve of free pages inside its own
+database file (a blob written and deleted: SQLite keeps the pages on its freelist and reuses them
+before growing the file), so events go on being stored for a while after the disk fills up.
+
+Readers (``RunEvents``) merge every node's database, and the single ``events.db`` of run dirs
+written before per-node databases, in time order.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 from trainguard.events.model import Event, Severity
+
+log = logging.getLogger("trainguard.events")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -22,13 +44,43 @@ CREATE TABLE IF NOT EXISTS events (
     evidence TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_kind ON events(kind);
+CREATE TABLE IF NOT EXISTS reserve (b BLOB);
 """
 
-DB_NAME = "events.db"
+DB_NAME = "events.db"  # one database for the whole run: run dirs written before per-node databases
+EVENTS_DIR = "events"  # events/<node>.db
+RESERVE_BYTES = 1 << 20  # free pages kept inside the database: ~2000 events on a full disk
+RESERVE_CHUNK = 64 << 10  # freed one chunk per transaction: the journal never needs more than this
+TOP_UP_EVERY = 64  # appends between checks of the reserve
+READ_TIMEOUT_S = 5.0  # a reader waits this long for a writer's lock, then tries again at its next read
+
+
+def node_db_path(run_dir: str | Path, node: str) -> Path:
+    """Where ``node`` writes its events (the name quoted: any node name is one safe file name)."""
+    return Path(run_dir) / EVENTS_DIR / f"{quote(node, safe='')}.db"
+
+
+def node_of(db: Path) -> str | None:
+    """The node a per-node database belongs to; None for a run-wide ``events.db``."""
+    return unquote(db.stem) if db.parent.name == EVENTS_DIR else None
+
+
+def event_dbs(run_dir: str | Path) -> list[Path]:
+    """Every event database of a run dir: the per-node ones and a run-wide ``events.db``."""
+    run_dir = Path(run_dir)
+    found = [run_dir / DB_NAME] if (run_dir / DB_NAME).is_file() else []
+    try:
+        found += sorted(p for p in (run_dir / EVENTS_DIR).iterdir() if p.suffix == ".db" and p.is_file())
+    except OSError:  # no events/ (yet), or not a directory
+        pass
+    return found
 
 
 class EventStore:
-    """Appends and reads events. Safe to share between threads; several processes may write."""
+    """One SQLite database of events. Safe to share between threads.
+
+    ``EventStore(path)`` with a directory opens its run-wide ``events.db`` (tests, old run dirs);
+    agents open their node's database: ``EventStore(node_db_path(run_dir, node))``."""
 
     def __init__(self, path: str | Path, readonly: bool = False) -> None:
         path = Path(path)
@@ -36,17 +88,25 @@ class EventStore:
             path = path / DB_NAME
         self.path = path
         self._lock = threading.Lock()
+        self._appends = 0
+        self.reserve_ok = True
         if readonly:
-            if not path.exists():
+            if not path.is_file():
                 raise FileNotFoundError(f"no event store at {path}")
-            self._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, timeout=30)
+            self._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, timeout=READ_TIMEOUT_S)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30, isolation_level=None)
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            # A run-wide events.db written by an older trainguard is WAL: it stays WAL (a database
+            # file's journal mode is only changed by a writer with every other connection closed).
+            current = self._conn.execute("PRAGMA journal_mode").fetchone()[0]
+            if current != "wal":
+                self._conn.execute("PRAGMA journal_mode=PERSIST")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(SCHEMA)
+            self.reserve_ok = self._top_up()
 
+    # ---- writing ----------------------------------------------------------------------------------
     def append(self, event: Event) -> int:
         row = (
             event.time,
@@ -63,8 +123,55 @@ class EventStore:
                 row,
             )
             event.id = cur.lastrowid
+            self._appends += 1
+            if not self._disk_has_room():
+                self.reserve_ok = False  # this event (and the next ones) live on the reserve
+            elif self._appends % TOP_UP_EVERY == 0 or not self.reserve_ok:
+                self.reserve_ok = self._top_up()
         return int(event.id or 0)
 
+    def _disk_has_room(self) -> bool:
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return True
+        return st.f_bavail * st.f_frsize >= RESERVE_CHUNK
+
+    def reserve_left(self) -> int:
+        """Bytes of free pages left in the database file (what events can use on a full disk)."""
+        with self._lock:
+            return self._free_pages_bytes()
+
+    def _free_pages_bytes(self) -> int:
+        page = self._conn.execute("PRAGMA page_size").fetchone()[0]
+        return int(self._conn.execute("PRAGMA freelist_count").fetchone()[0]) * int(page)
+
+    def _top_up(self) -> bool:
+        """Keep about RESERVE_BYTES of free pages in the file; False when the disk has no room."""
+        missing = RESERVE_BYTES - self._free_pages_bytes()
+        if missing < RESERVE_BYTES // 2:
+            return True
+        if not self._disk_has_room():
+            return False
+        chunks = -(-missing // RESERVE_CHUNK)
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany("INSERT INTO reserve VALUES (zeroblob(?))", [(RESERVE_CHUNK,)] * chunks)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            # One chunk per transaction: a rollback journal records what a transaction frees, and
+            # the journal (kept, PERSIST) must never need more room than the disk may have left.
+            for rowid in [r[0] for r in self._conn.execute("SELECT rowid FROM reserve").fetchall()]:
+                self._conn.execute("DELETE FROM reserve WHERE rowid = ?", (rowid,))
+        except sqlite3.OperationalError as exc:
+            log.debug("event store %s: no room for its reserve: %s", self.path, exc)
+            return False
+        return True
+
+    # ---- reading ----------------------------------------------------------------------------------
     def query(
         self,
         kinds: list[str] | None = None,
@@ -101,12 +208,89 @@ class EventStore:
             self._conn.close()
 
 
+class RunEvents:
+    """Every node's events of a run dir, merged: each ``read`` returns what is new since the last
+    one, in time order (a later read can return an event older than one already returned, when
+    another node wrote it late). Events get ids in the order this reader returned them (1, 2, ...):
+    a node's own row ids repeat across nodes. Databases that appear later (a node that joins) are
+    picked up; one that cannot be read (locked for too long, torn by a network filesystem, not a
+    database) is skipped until it can, and named in ``problems``.
+
+    ``skip_nodes``: nodes whose databases are not read (an agent reading the other nodes' events).
+    ``path`` may also be one ``.db`` file."""
+
+    def __init__(self, path: str | Path, skip_nodes: set[str] | frozenset[str] = frozenset()) -> None:
+        path = Path(path)
+        self.single = path if path.suffix == ".db" and not path.is_dir() else None
+        self.run_dir = path.parent if self.single else path
+        self.skip_nodes = set(skip_nodes)
+        self.problems: dict[Path, str] = {}
+        self._stores: dict[Path, EventStore] = {}
+        self._after: dict[Path, int] = {}
+        self._next_id = 1
+
+    def databases(self) -> list[Path]:
+        dbs = [self.single] if self.single else event_dbs(self.run_dir)
+        return [p for p in dbs if node_of(p) not in self.skip_nodes]
+
+    def read(self, kinds: list[str] | None = None, min_severity: Severity | None = None) -> list[Event]:
+        new: list[Event] = []
+        for db in self.databases():
+            new += self._read_one(db, kinds, min_severity)
+        new.sort(key=lambda e: e.time)  # stable: one node's events keep their order
+        for e in new:
+            e.id, self._next_id = self._next_id, self._next_id + 1
+        return new
+
+    def _read_one(self, db: Path, kinds: list[str] | None, min_severity: Severity | None) -> list[Event]:
+        try:
+            store = self._stores.get(db)
+            if store is None:
+                store = self._stores[db] = EventStore(db, readonly=True)
+            events = store.query(kinds=kinds, after_id=self._after.get(db, 0), min_severity=None)
+        except (sqlite3.Error, OSError) as exc:
+            self.problems[db] = str(exc)
+            self._forget(db)
+            return []
+        self.problems.pop(db, None)
+        if events:
+            self._after[db] = max(e.id or 0 for e in events)
+        if min_severity is not None:
+            events = [e for e in events if e.severity >= min_severity]
+        return events
+
+    def _forget(self, db: Path) -> None:
+        store = self._stores.pop(db, None)
+        if store is not None:
+            try:
+                store.close()
+            except sqlite3.Error:
+                pass
+
+    def close(self) -> None:
+        for db in list(self._stores):
+            self._forget(db)
+
+
+def read_all(path: str | Path, kinds: list[str] | None = None) -> list[Event]:
+    """Every event of a run dir (or one database), all nodes merged in time order."""
+    events = RunEvents(path)
+    try:
+        return events.read(kinds=kinds)
+    finally:
+        events.close()
+
+
 def _row_to_event(row: tuple) -> Event:
     id_, t, kind, sev, node, rank, message, evidence = row
     try:
         ev = json.loads(evidence)
     except (TypeError, ValueError):
         ev = {"raw": evidence}
-    return Event(
-        id=id_, time=t, kind=kind, severity=Severity.parse(sev), node=node, rank=rank, message=message, evidence=ev
-    )
+    if not isinstance(ev, dict):
+        ev = {"raw": ev}
+    try:
+        severity = Severity.parse(sev)
+    except ValueError:  # a row some other program wrote: show it rather than fail the whole read
+        severity = Severity.INFO
+    return Event(id=id_, time=t, kind=kind, severity=severity, node=node, rank=rank, message=message, evidence=ev)

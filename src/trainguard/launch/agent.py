@@ -29,7 +29,7 @@ from torch.distributed.elastic.utils import macros
 from trainguard import policy, torch_compat
 from trainguard.events import EventBus, Severity
 from trainguard.evidence import RankFailure
-from trainguard.launch import failures
+from trainguard.launch import failures, runs
 from trainguard.launch.monitor import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.launch.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
 from trainguard.launch.peers import Peers
@@ -89,7 +89,8 @@ class TrainguardAgent(LocalElasticAgent):
         self.stop_timeout = stop_timeout
         self.peers = Peers(bus.node)
         self.steps = StepTracker()
-        self.attempt = -1  # every (re)start, membership changes included
+        self.attempt = -1  # every (re)start, membership changes included; numbered across the run dir's runs
+        self.run_info: runs.RunInfo | None = None  # this run of the run dir (see launch/runs.py)
         self.ctx: MonitorContext | None = None
         self.procs: TrainguardPContext | None = None
         self.restart_reason = "worker failure"
@@ -145,8 +146,23 @@ class TrainguardAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
         super()._rendezvous(worker_group)
+        self._join_run(worker_group)
         if worker_group.spec.rdzv_handler.use_agent_store:
             self._fresh_worker_store(worker_group)
+
+    def _join_run(self, wg: WorkerGroup) -> None:
+        """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
+        first = self.run_info is None
+        self.run_info = runs.agree(wg.store, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
+        if first:
+            self.attempt = self.run_info.first_attempt - 1  # _before_start counts the first attempt
+            log.info("run %s: attempts from %d (logs/attempt-%d)", self.run_info.run_id, self.run_info.first_attempt,
+                     self.run_info.first_attempt)
+
+    @property
+    def restarts_this_run(self) -> int:
+        """Attempts of this run before the current one (what a fresh run dir numbers its attempts)."""
+        return self.attempt - (self.run_info.first_attempt if self.run_info else 0)
 
     def _fresh_worker_store(self, wg: WorkerGroup) -> None:
         """Give this round's workers a store no earlier round has written to."""
@@ -228,7 +244,9 @@ class TrainguardAgent(LocalElasticAgent):
             "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "TRAINGUARD_RUN_DIR": str(self.run_dir),
-            "TRAINGUARD_RESTART_COUNT": str(self.attempt),
+            "TRAINGUARD_RUN_ID": self.run_info.run_id if self.run_info else "",
+            "TRAINGUARD_ATTEMPT": str(self.attempt),  # logs/attempt-<n>: numbered across the run dir's runs
+            "TRAINGUARD_RESTART_COUNT": str(self.restarts_this_run),  # 0 on every run's first attempt
             "TRAINGUARD_NODE": self.bus.node,
         }
         torch_compat.set_local_rank_env(self, env, worker.local_rank, spec)
@@ -265,6 +283,8 @@ class TrainguardAgent(LocalElasticAgent):
             f"(node {worker_group.group_rank}/{worker_group.group_world_size}, world size {worker_group.workers[0].world_size})",
             evidence={
                 "attempt": self.attempt,
+                "run_id": self.run_info.run_id if self.run_info else None,
+                "first_attempt_of_run": self.run_info.first_attempt if self.run_info else 0,
                 "restart_count": restart_count,
                 "max_restarts": spec.max_restarts,
                 "pids": {str(w.global_rank): w.pid for w in workers},
@@ -308,6 +328,8 @@ class TrainguardAgent(LocalElasticAgent):
             return self._poll_monitors(worker_group, result)
         if result.state == WorkerState.FAILED:
             return self._on_failure(worker_group, result)
+        if result.state == WorkerState.SUCCEEDED and self.procs is not None and self.procs.exit_crashes:
+            failures.report_exit_crashes(self.bus, self.procs, self.attempt)
         return result
 
     def _follow_peers(self, wg: WorkerGroup, force: bool = False) -> Decision | None:
@@ -340,7 +362,7 @@ class TrainguardAgent(LocalElasticAgent):
         return result
 
     def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
-        fs = failures.order(failures.collect(result, self.procs))
+        fs = failures.order(failures.collect(result, self.procs), failures.early_exits(result, self.procs))
         failures.report(self.bus, fs, self.attempt)
         self.final_failures = fs.failures
         if self._follow_peers(wg, force=True) is not None:

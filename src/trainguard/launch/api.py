@@ -8,6 +8,7 @@ import os
 import secrets
 import signal
 import socket
+import sqlite3
 import sys
 import time
 import uuid
@@ -23,8 +24,9 @@ from torch.distributed.run import config_from_args, get_use_env, parse_min_max_n
 
 from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
+from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from trainguard.launch import console, hold, keeper, plugins
+from trainguard.launch import console, hold, keeper, logs, plugins, runlock
 from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
@@ -60,7 +62,7 @@ def prepare_run_dir(args: argparse.Namespace) -> Path:
 def _setup_logging(run_dir: Path, node: str) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    fh = logging.FileHandler(run_dir / f"agent-{node}.log")
+    fh = logs.AgentLogHandler(run_dir / f"agent-{node}.log")
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(fh)
     stream = logging.StreamHandler(sys.stderr)
@@ -138,11 +140,34 @@ def launch(args: argparse.Namespace) -> int:
         # Every monitor's settings are read first: one that cannot start stops the launch here,
         # before a run dir, a process or a port exists.
         monitors = plugins.create_monitors(args)
-        run_dir = prepare_run_dir(args)
-    except (plugins.MonitorStartError, UsageError) as exc:
+        node = args.node_name or socket.gethostname()
+        run_dir, lock, store = _open_run_dir(args, node)
+    except (plugins.MonitorStartError, UsageError, runlock.RunDirBusy) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    node = args.node_name or socket.gethostname()
+    try:
+        return _launch(args, run_dir, node, monitors, store)
+    finally:
+        lock.release()  # last: the run dir is this job's until everything above is done
+
+
+def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.RunDirLock, EventStore]:
+    """The run dir, locked for this node, and this node's event database in it."""
+    run_dir = prepare_run_dir(args)
+    try:
+        lock = runlock.acquire(run_dir, node)
+    except OSError as exc:
+        raise UsageError(f"cannot lock run dir {run_dir}: {exc.strerror or exc}") from None
+    db = node_db_path(run_dir, node)  # one database per node: safe on NFS / Lustre (events/store.py)
+    try:
+        store = EventStore(db)
+    except sqlite3.Error as exc:
+        lock.release()
+        raise UsageError(f"cannot store events in {db}: {exc}") from None
+    return run_dir, lock, store
+
+
+def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore) -> int:
     _setup_logging(run_dir, node)
     _install_signal_handlers()
     user_rdzv_id = args.rdzv_id
@@ -155,7 +180,8 @@ def launch(args: argparse.Namespace) -> int:
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
 
-    store = EventStore(run_dir)
+    if not store.reserve_ok:
+        log.warning("the disk of %s is full: events are stored in what is left of the event store's reserve", store.path)
     bus = EventBus(store, node=node)
     notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
     bus.subscribe(notifier)
@@ -210,7 +236,7 @@ def launch(args: argparse.Namespace) -> int:
         log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, config.nproc_per_node)
         result = agent.run()
         if result is not None and result.state == WorkerState.SUCCEEDED:
-            bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.attempt + 1})
+            bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.restarts_this_run + 1})
             code = EXIT_OK
         else:
             reason = agent.stop_decision.reason if agent.stop_decision else agent.restart_reason

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.evidence import Diagnosis, RankFailure
+from trainguard.launch.logs import attempt_dir
 from trainguard.launch.monitor import Monitor, MonitorContext
 from trainguard.options import SettingsError, given, positive
 
@@ -110,7 +111,7 @@ class DiagnosisMonitor(Monitor):
     def diagnose(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> Diagnosis:
         from trainguard.diagnose import diagnose_paths
 
-        logs = Path(ctx.run_dir) / "logs" / f"attempt-{ctx.restart_count}"
+        logs = attempt_dir(Path(ctx.run_dir), ctx.restart_count)  # this attempt's only: never an earlier run's
         paths: list[Path] = [logs] if logs.is_dir() else []
         info = _jsonable_failures(failures)
         if not paths:  # no rank logs: the tails the agent kept are the log

@@ -87,7 +87,7 @@ class MonitorContext:
     nnodes: int  # agents in the current round
     nproc_per_node: int
     world_size: int
-    restart_count: int
+    restart_count: int  # the attempt: logs/attempt-<n>, numbered across the run dir's runs (launch/runs.py)
     workers: list[WorkerInfo]
     events: EventBus
     steps: StepTracker

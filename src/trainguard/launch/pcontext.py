@@ -12,10 +12,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import (
+    LogsDest,
+    LogsSpecs,
+    RunProcsResult,
+    SubprocessContext,
+)
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-from trainguard.launch.logs import error_file_path, rank_log_path
+from trainguard.launch.logs import error_file_path, finished_file_path, rank_log_path
 from trainguard.launch.pool import WorkerPool, WorkerProcess
 
 
@@ -42,7 +47,7 @@ class RunDirLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         error_files = {}
         for local_rank, env in envs.items():
-            path = error_file_path(self.run_dir, int(env["TRAINGUARD_RESTART_COUNT"]), int(env["RANK"]))
+            path = error_file_path(self.run_dir, int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists():
                 path.unlink()
@@ -71,6 +76,9 @@ class _Handler(SubprocessHandler):
                 return
 
 
+EXIT_GRACE_S = 60.0  # how long the others may take to end once a worker crashed after finishing
+
+
 class TrainguardPContext(SubprocessContext):
     def __init__(
         self,
@@ -94,6 +102,11 @@ class TrainguardPContext(SubprocessContext):
         # Exact exit times (a waiter thread per worker): the true order of failures, which the
         # 0.1 s poll cannot give when one death cascades into the others within milliseconds.
         self.exit_times: dict[int, float] = {}
+        self.exit_codes: dict[int, int] = {}  # local rank -> exit code (set with its exit time)
+        # Ranks that crashed after their script had finished (global rank -> exit code), when the
+        # group still counts as succeeded (see _exit_phase).
+        self.exit_crashes: dict[int, int] = {}
+        self._exit_grace_until: float | None = None
 
     def _spec(self, local_rank: int) -> dict:
         env = dict(os.environ)
@@ -114,7 +127,7 @@ class TrainguardPContext(SubprocessContext):
         handlers = {}
         for local_rank, spec in specs.items():
             env = spec["env"]
-            rank, attempt = int(env["RANK"]), int(env["TRAINGUARD_RESTART_COUNT"])
+            rank, attempt = int(env["RANK"]), int(env["TRAINGUARD_ATTEMPT"])
             worker = prestarted[local_rank] if prestarted else self.pool.spawn_direct(spec)
             path = rank_log_path(self.run_dir, attempt, rank)
             tee = self.tee_ranks is None or local_rank in self.tee_ranks
@@ -126,10 +139,49 @@ class TrainguardPContext(SubprocessContext):
         self.subprocess_handlers = handlers
 
     def _wait_exit(self, local_rank: int, worker: WorkerProcess) -> None:
-        worker.proc.wait()
+        code = worker.proc.wait()
+        self.exit_codes[local_rank] = code
         self.exit_times[local_rank] = time.time()
 
+    def global_rank(self, local_rank: int) -> int:
+        return int(self.envs[local_rank]["RANK"])
+
+    def finished(self, local_rank: int) -> bool:
+        """The worker's script returned (or exited 0) before the process ended (worker_main says so)."""
+        return self.finished_at(local_rank) is not None
+
+    def finished_at(self, local_rank: int) -> float | None:
+        """When the worker's script finished (None: it did not, or did not say so)."""
+        env = self.envs[local_rank]
+        try:
+            return finished_file_path(self.run_dir, int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"])).stat().st_mtime
+        except OSError:
+            return None
+
+    def _exit_phase(self) -> str | None:
+        """A worker that crashed after its script finished (torch's gloo teardown aborts under load:
+        "terminate called without an active exception") did its work. While every crashed worker had
+        finished, the others are left to end on their own (EXIT_GRACE_S) instead of being stopped:
+        "wait"; when all ended and each either exited 0 or had finished: "succeeded". Otherwise None
+        (an ordinary failure)."""
+        codes = {lr: h.proc.poll() for lr, h in self.subprocess_handlers.items()}
+        crashed = [lr for lr, c in codes.items() if c not in (None, 0)]
+        if not crashed or not all(self.finished(lr) for lr in crashed):
+            return None
+        if any(c is None for c in codes.values()):
+            if self._exit_grace_until is None:
+                self._exit_grace_until = time.monotonic() + EXIT_GRACE_S
+            return "wait" if time.monotonic() < self._exit_grace_until else None
+        self.exit_crashes = {self.global_rank(lr): int(codes[lr] or 0) for lr in crashed}
+        return "succeeded"
+
     def _poll(self):
+        phase = self._exit_phase()
+        if phase == "wait":
+            return None
+        if phase == "succeeded":
+            self.close()  # nothing runs any more: joins the log pumps, as torch's own success path
+            return RunProcsResult(return_values=dict.fromkeys(range(self.nprocs)), stdouts=self.stdouts, stderrs=self.stderrs)
         if self.primary_failures is None:
             failed = {r for r, h in self.subprocess_handlers.items() if (h.proc.poll() or 0) != 0}
             if failed:

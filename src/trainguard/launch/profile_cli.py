@@ -52,6 +52,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         comm = args.comm == "on" if args.comm is not None else bool((current or 0) & FLAG_COMM)
         flags = FLAG_BASIC | (FLAG_COMM if comm else 0)
-    path = pf.write_switch(run_dir, flags)
+    try:
+        path = pf.write_switch(run_dir, flags)
+    except OSError as exc:  # a read-only or full run dir: the switch is unchanged
+        print(f"trainguard profile: error: cannot write the switch in {run_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"{path}: {json.dumps(pf.switch_dict(flags))}")
     return 0

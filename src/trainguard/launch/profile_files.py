@@ -65,8 +65,12 @@ def write_switch(run_dir: Path, flags: int) -> Path:
     flags_from_switch(switch_dict(flags))  # refuse a state the seed forbids (Communication alone)
     path = Path(run_dir) / SWITCH_FILE
     tmp = path.with_name(f".{SWITCH_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps(switch_dict(flags)) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(switch_dict(flags)) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
+        raise
     return path
 
 

@@ -99,6 +99,7 @@ class _Rank:
     acc: S.StepAccumulator
     windows: S.WindowBuilder
     seen_step: int = 0
+    lost_records: int = 0  # not written (disk full): said once, counted after
 
 
 class ProfilingMonitor(Monitor):
@@ -240,7 +241,14 @@ class ProfilingMonitor(Monitor):
             try:
                 st.files.append(lines)
             except OSError as exc:
-                log.warning("cannot write profiling records of rank %d: %s", rank, exc)
+                if not st.lost_records:  # once, not every tick while the disk stays full
+                    log.warning("cannot write profiling records of rank %d: %s (said once; the records are dropped "
+                                "until it can)", rank, exc)
+                st.lost_records += len(lines)
+                continue
+            if st.lost_records:
+                log.warning("profiling records of rank %d written again; %d were dropped", rank, st.lost_records)
+                st.lost_records = 0
 
     def _account(self, rank: int, st: _Rank, rec: R.Record) -> None:
         """Sum the rank's spans per step; a finished window goes to the straggler monitor."""

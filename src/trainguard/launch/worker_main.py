@@ -15,6 +15,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 from trainguard import torch_compat
 
@@ -73,7 +74,10 @@ def run(spec: dict) -> None:
             sys.argv = [script, *args]
             sys.path[0] = os.path.dirname(script)
             runpy.run_path(script, run_name="__main__")
-    except SystemExit:
+        _say_finished()
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            _say_finished()
         raise
     except BaseException as exc:
         # Same error file torch's @record writes, so the agent reports the real exception.
@@ -81,6 +85,22 @@ def run(spec: dict) -> None:
         _print_user_traceback(exc)
         sys.stderr.flush()
         os._exit(1)  # what an uncaught exception exits with; skips a second traceback
+
+
+def _say_finished() -> None:
+    """Tell the agent the script is done, before the interpreter tears down: a crash after this
+    (gloo/NCCL destructors at exit: "terminate called without an active exception") is not a
+    failure of the training (see launch/failures.py)."""
+    from pathlib import Path
+
+    from trainguard.launch.logs import finished_file_path
+
+    env = os.environ
+    try:
+        path = finished_file_path(Path(env["TRAINGUARD_RUN_DIR"]), int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
+        path.write_text(json.dumps({"finished": time.time(), "pid": os.getpid()}) + "\n")
+    except (KeyError, ValueError, OSError):  # not under the agent, or a full disk: the exit code alone decides
+        pass
 
 
 def _print_user_traceback(exc: BaseException) -> None:

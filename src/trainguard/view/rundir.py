@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard.events.model import Event
-from trainguard.events.store import DB_NAME, EventStore
+from trainguard.events.store import RunEvents, event_dbs
 from trainguard.launch.profile_files import PROFILING_DIR
 
 HANG_GLOB = "hang-*.txt"
 
 
 class NotARunDir(Exception):
-    """The path has no events.db: not a run directory (or nothing was recorded yet)."""
+    """The path has no event database: not a run directory (or nothing was recorded yet)."""
 
 
 @dataclass(frozen=True)
@@ -39,33 +39,37 @@ def check_run_dir(path: str | Path) -> Path:
     run_dir = Path(path)
     if run_dir.suffix == ".db":
         run_dir = run_dir.parent
-    if not (run_dir / DB_NAME).exists():
-        raise NotARunDir(f"no {DB_NAME} in {run_dir}: not a trainguard run directory")
+        if run_dir.name == "events":  # RUN_DIR/events/<node>.db
+            run_dir = run_dir.parent
+    if not run_dir.is_dir():
+        raise NotARunDir(f"{run_dir} is not a directory: not a trainguard run directory")
+    dbs = event_dbs(run_dir)
+    if not dbs:
+        raise NotARunDir(f"no events.db or events/*.db in {run_dir}: not a trainguard run directory")
+    reader = RunEvents(run_dir)
+    try:
+        reader.read(kinds=["job_started"])  # opens every database: is any of them one?
+    finally:
+        reader.close()
+    if len(reader.problems) == len(dbs):  # none can be read: an error, not an empty view
+        db, why = next(iter(reader.problems.items()))
+        raise NotARunDir(f"cannot read {db}: {why}")
     return run_dir
 
 
 class EventTail:
-    """New events of a run since the last call (by id)."""
+    """New events of a run since the last call: every node's, merged (see events/store.py).
+    ``skip_nodes``: nodes whose events are not read (an agent tailing the other nodes)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, skip_nodes: set[str] | frozenset[str] = frozenset()) -> None:
         self.run_dir = Path(run_dir)
-        self.last_id = 0
-        self._store: EventStore | None = None
+        self._events = RunEvents(self.run_dir, skip_nodes)
 
-    def read(self, limit: int | None = None) -> list[Event]:
-        if self._store is None:
-            if not (self.run_dir / DB_NAME).exists():
-                return []
-            self._store = EventStore(self.run_dir / DB_NAME, readonly=True)
-        events = self._store.query(after_id=self.last_id, limit=limit)
-        if events:
-            self.last_id = max(e.id or 0 for e in events)
-        return events
+    def read(self) -> list[Event]:
+        return self._events.read()
 
     def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._events.close()
 
 
 def read_events(run_dir: Path) -> list[Event]:

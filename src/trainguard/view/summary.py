@@ -117,14 +117,17 @@ class JobSummary:
         self.first_time: float | None = None
         self.last_time: float | None = None
         self.events = 0
-        self._seen_ids: set[int] = set()
+        self._seen_ids: set[tuple[str, int]] = set()
 
     # ---- events ---------------------------------------------------------------------------------
     def apply(self, e: Event) -> None:
         if e.id is not None:
-            if e.id in self._seen_ids:  # the same event from the bus and from the store
+            # The same event from the bus and from the store. Ids are per node database (or per
+            # merged reader), so the node is part of the key.
+            key = (e.node, e.id)
+            if key in self._seen_ids:
                 return
-            self._seen_ids.add(e.id)
+            self._seen_ids.add(key)
         self.events += 1
         self.first_time = e.time if self.first_time is None else min(self.first_time, e.time)
         self.last_time = e.time if self.last_time is None else max(self.last_time, e.time)

@@ -24,6 +24,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from trainguard.options import port_or_zero
 from trainguard.view.live import RunView
 from trainguard.view.rundir import NotARunDir, hang_reports, read_report
 
@@ -35,7 +36,7 @@ MIN_REFRESH_S = 0.5
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs the token)")
-    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 = a free one)")
+    p.add_argument("--port", type=port_or_zero, default=8765, help="port (default 8765; 0 = a free one)")
     p.add_argument("--token", default=None, help="token the page must present (default: random when not on loopback)")
 
 

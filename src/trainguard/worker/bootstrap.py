@@ -59,7 +59,9 @@ def _install(prefix: str) -> None:
     from trainguard.worker import ring, spans
 
     rank = int(os.environ.get("RANK", "0"))
-    attempt = os.environ.get("TRAINGUARD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The agent's attempt number (logs/attempt-<n>, numbered across a run dir's runs) names the ring.
+    attempt = (os.environ.get("TRAINGUARD_ATTEMPT") or os.environ.get("TRAINGUARD_RESTART_COUNT")
+               or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
     capacity = int(os.environ.get(ENV_CAPACITY, ring.DEFAULT_CAPACITY))
     path = ring.ring_path(prefix, attempt, rank)
     if not os.access(os.path.dirname(path) or ".", os.W_OK):  # say so now, not at the first step

@@ -1,0 +1,23 @@
+"""Bad input against every command (issue 18): an answer or one line on stderr with exit 2, never a
+traceback, never a hang. The table is bench/badinput.py's (that script prints the outcome counts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from tgtest import REPO
+
+_spec = importlib.util.spec_from_file_location("badinput", REPO / "bench" / "badinput.py")
+badinput = importlib.util.module_from_spec(_spec)
+sys.modules["badinput"] = badinput  # dataclasses look their module up by name
+_spec.loader.exec_module(badinput)
+
+
+@pytest.mark.slow  # 54 processes, most of them import torch
+@pytest.mark.parametrize("case", badinput.CASES, ids=[c.name for c in badinput.CASES])
+def test_bad_input_gives_an_answer_or_one_line(case):
+    r = badinput.run_case(case, time_limit_s=120)
+    assert r.outcome == case.expect, (r.outcome, r.rc, r.first_line)
+    assert r.outcome not in ("traceback", "hang")
