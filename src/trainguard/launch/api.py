@@ -25,10 +25,11 @@ from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from trainguard.launch import console, hold, keeper, plugins
-from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
+from trainguard.launch.agent import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
 from trainguard.policy import PolicySettings
+from trainguard.stores import JobKey, bound_store, is_loopback, route_source
 
 log = logging.getLogger("trainguard")
 
@@ -78,17 +79,53 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(script=os.path.abspath(args.training_script))
 
 
-def _standalone(args: argparse.Namespace) -> None:
-    # Same defaults as torchrun's run().
+def _standalone(args: argparse.Namespace) -> bool:
+    """Same defaults as torchrun's run(); True for a single-node job on loopback (its stores then
+    listen on 127.0.0.1 only, see ``_loopback_rendezvous``)."""
+    single = False
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
+        single = True
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
         if parse_min_max_nnodes(args.nnodes)[1] == 1:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+            single = True
     if args.master_port is None:
         args.master_port = 29500
+    return single
+
+
+def _loopback_rendezvous(config) -> object:
+    """Host a single-node job's rendezvous store on 127.0.0.1 (torch's would listen on every
+    interface). torch's c10d backend opens its store multi-tenant on the endpoint's port, and so
+    uses this server."""
+    server = bound_store("127.0.0.1", multi_tenant=True)
+    config.rdzv_endpoint = f"127.0.0.1:{server.port}"
+    config.rdzv_configs["is_host"] = True
+    return server
+
+
+def _endpoint_host(config) -> str | None:
+    endpoint = (config.rdzv_endpoint or "").split(",")[0].strip()
+    return parse_rendezvous_endpoint(endpoint, default_port=0)[0] if endpoint else None
+
+
+def advertise_address(config, single: bool) -> str:
+    """The address other nodes reach this one through: --local-addr, else the local end of the
+    route to the rendezvous endpoint (or master), else this host's name."""
+    if config.local_addr:
+        return config.local_addr
+    if single:
+        return "127.0.0.1"
+    addr = route_source(_endpoint_host(config))
+    if addr is not None:
+        return addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _raise_signal(signum: int, frame: object) -> None:
@@ -146,7 +183,7 @@ def launch(args: argparse.Namespace) -> int:
     _setup_logging(run_dir, node)
     _install_signal_handlers()
     user_rdzv_id = args.rdzv_id
-    _standalone(args)
+    single = _standalone(args)
     try:
         config, cmd, _ = config_from_args(args)
     except (AssertionError, ValueError) as exc:
@@ -154,6 +191,15 @@ def launch(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
+    rdzv_server = _loopback_rendezvous(config) if single else None
+    advertise = advertise_address(config, single)
+    if config.max_nodes > 1 and is_loopback(advertise) and not is_loopback(_endpoint_host(config) or "localhost"):
+        print(
+            f"trainguard run: error: this node's address for the other nodes would be {advertise} (loopback) "
+            f"while the rendezvous endpoint {config.rdzv_endpoint} is not: give --local-addr",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
 
     store = EventStore(run_dir)
     bus = EventBus(store, node=node)
@@ -203,6 +249,8 @@ def launch(args: argparse.Namespace) -> int:
             target=_target(args),
             policy_settings=PolicySettings.from_options(args),
             rdzv_backend=config.rdzv_backend,
+            advertise_addr=advertise,
+            job_key=JobKey.for_job(config.run_id, single_node=single),
             tee_ranks=tee,
             exit_barrier_timeout=args.exit_barrier_timeout,
             stop_timeout=args.worker_stop_timeout,
@@ -233,6 +281,9 @@ def launch(args: argparse.Namespace) -> int:
         code = EXIT_EXCLUDED
         if agent is not None:
             _keep_rendezvous_store(agent, rdzv_parameters, bus)
+    except NodesUnreachable as exc:
+        bus.emit("job_failed", f"job failed: {exc}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
+        print(f"trainguard run: error: {exc}", file=sys.stderr)
     except JobStopped as exc:
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:
@@ -255,6 +306,7 @@ def launch(args: argparse.Namespace) -> int:
         if agent is not None:
             agent.close()
         pool.close()
+        del rdzv_server
         notifier.close()
         store.close()
     return code

@@ -95,6 +95,8 @@ class MonitorContext:
     # round; the static rendezvous ("static" backend) reuses one store for every attempt.
     store: Store | None = None
     rdzv_backend: str = ""
+    addr: str = ""  # the address the other nodes reach this one through
+    rdzv_node: str = ""  # this agent's identity in a dynamic rendezvous (torch_compat.rendezvous_node)
 
     def pids(self) -> dict[int, int]:
         """global rank -> pid"""
