@@ -176,7 +176,7 @@ def test_shared_store_server_is_DynamicRendezvousHandler__create_tcp_store_serve
 
 
 def test_rendezvous_node_expiry_and_last_call_are_DynamicRendezvousHandler_internals():
-    a, b = handler(max_nodes=2), None
+    a = handler(max_nodes=2)
     try:
         a.next_rendezvous()
         assert C.rendezvous_node(a) is not None and C.rendezvous_node(object()) is None
