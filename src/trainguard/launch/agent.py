@@ -409,6 +409,10 @@ class TrainguardAgent(LocalElasticAgent):
             return result
         found = self.monitors.on_workers_failed(self.ctx, fs.failures) if self.ctx is not None else None
         try:
+            if found is not None and found.lost is not None:  # another node vanished: not this node's failure
+                nnodes = wg.group_world_size or 1
+                self.carry_out(policy.decide_on_node_lost(found.lost, nnodes, self.policy_settings.min_nodes(nnodes)))
+                return result
             decision = policy.decide_on_failure(
                 fs.failures,
                 torch_compat.remaining_restarts(self),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import secrets
@@ -107,6 +108,30 @@ def _loopback_rendezvous(config) -> object:
     return server
 
 
+def _host_rendezvous(config) -> object | None:
+    """Host a multi-node c10d rendezvous store bound to the endpoint's address, when that address
+    is this machine's and nobody listens there yet (torch's store would listen on every interface,
+    and torch finds out that it is the host by host-name lookups, which fail in network namespaces
+    and on hosts without DNS: then nobody hosts the store). torch's backend then uses this server
+    (multi-tenant, same port). None: another process hosts it, or the endpoint is not here."""
+    if config.rdzv_backend != "c10d" or str(config.rdzv_configs.get("is_host", "")).lower() in ("0", "false", "no"):
+        return None
+    endpoint = (config.rdzv_endpoint or "").split(",")[0].strip()
+    if not endpoint:
+        return None
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    try:  # a host name may resolve here to another address than the one the others reach
+        ipaddress.ip_address(host)  # (127.0.1.1 in Debian's /etc/hosts): left to torch's store
+    except ValueError:
+        return None
+    if not port:
+        return None
+    try:
+        return bound_store(host, port, multi_tenant=True)
+    except (OSError, RuntimeError, ValueError):  # not this machine's address, or already hosted
+        return None
+
+
 def _endpoint_host(config) -> str | None:
     endpoint = (config.rdzv_endpoint or "").split(",")[0].strip()
     return parse_rendezvous_endpoint(endpoint, default_port=0)[0] if endpoint else None
@@ -191,7 +216,7 @@ def launch(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
-    rdzv_server = _loopback_rendezvous(config) if single else None
+    rdzv_server = _loopback_rendezvous(config) if single else _host_rendezvous(config)
     advertise = advertise_address(config, single)
     if config.max_nodes > 1 and is_loopback(advertise) and not is_loopback(_endpoint_host(config) or "localhost"):
         print(

@@ -3,10 +3,18 @@ while the training is blocked is named as lost.
 
 A thread beats (``store.add`` on this node's counter) every ``--heartbeat-interval`` seconds and
 reads the other nodes' counters, so the agent's own thread never waits on a store that may have
-become unreachable. ``poll`` hands the policy a ``NodeLost`` when a node's counter has not moved
-for ``--node-lost-after`` seconds *and* this node's ranks made no step in that time: a silent agent
-whose ranks still train with ours (a busy machine) is not lost, only late. The reason says whether
-the node's address still answers (its agent died or hung) or not (network cut, machine down).
+become unreachable. It keeps beating while this node's workers are stopped and restarted (a node
+busy restarting is not lost), until the next round starts a new one or the agent ends (then it
+marks itself done, so a node that finished is never taken for lost).
+
+Two ways to a ``NodeLost`` (the reason says whether the node's address still answers — its agent
+died or hangs — or not — network cut, machine down):
+- ``poll``: a node's counter has not moved for ``--node-lost-after`` seconds *and* this node's
+  ranks made no step in that time (a network cut: collectives block). A silent agent whose ranks
+  still train with ours (a busy machine) is not lost, only late.
+- ``on_workers_failed``: this node's first failure only lost a peer (a node died and its sockets
+  closed). It waits until either every other node beats again (a worker failed over there: the
+  usual restart) or one stays silent for ``--node-lost-after`` seconds (lost).
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from trainguard.evidence import NodeLost
+from trainguard.evidence import NodeLost, RankFailure
+from trainguard.launch.failures import lost_peer
 from trainguard.launch.monitor import Monitor, MonitorContext
 from trainguard.options import given, positive
 from trainguard.stores import can_connect
@@ -59,13 +68,14 @@ class LivenessMonitor(Monitor):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported = False
+        self._ctx: MonitorContext | None = None
 
     # ---- the heartbeat thread -------------------------------------------------------------
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._halt()
         if ctx.store is None or ctx.nnodes <= 1:
             return
-        self._seen, self._peers, self._reported = {}, {}, False
+        self._seen, self._peers, self._reported, self._ctx = {}, {}, False, ctx
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(ctx, self._stop), name="trainguard-liveness", daemon=True)
         self._thread.start()
@@ -82,7 +92,7 @@ class LivenessMonitor(Monitor):
             try:
                 store.add(f"{PREFIX}/n{ctx.node_rank}", 1)
                 for n in others:
-                    count = store.add(f"{PREFIX}/n{n}", 0)
+                    count = -1 if store.check([f"{PREFIX}/done/{n}"]) else store.add(f"{PREFIX}/n{n}", 0)
                     now = time.monotonic()
                     with self._lock:
                         last = self._seen.get(n)
@@ -100,22 +110,49 @@ class LivenessMonitor(Monitor):
             self._thread.join(timeout=2 * self.settings.interval_s + 1)
         self._thread = None
 
-    def on_workers_stopped(self, ctx: MonitorContext) -> None:
-        self._halt()
-
     def close(self) -> None:
         self._halt()
+        ctx = self._ctx
+        if ctx is not None and ctx.store is not None:
+            try:  # the others must not take a node that finished for lost
+                ctx.store.set(f"{PREFIX}/done/{ctx.node_rank}", "1")
+            except Exception as exc:
+                log.debug("liveness: cannot mark this node done: %s", exc)
 
     # ---- deciding -------------------------------------------------------------------------
     def poll(self, ctx: MonitorContext) -> NodeLost | None:
         if self._thread is None or self._reported:
             return None
-        now = time.monotonic()
-        with self._lock:
-            silent = {n: now - moved for n, (_, moved) in self._seen.items()}
-        late = {n: s for n, s in silent.items() if s >= self.settings.lost_after_s}
+        late = self._late()
         if not late or self._ranks_progressed(ctx, min(late.values())):
             return None
+        return self._lost(ctx, late)
+
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> NodeLost | None:
+        first = next((f for f in failures.values() if f.first_failure), None)
+        if self._thread is None or self._reported or first is None or not lost_peer(first):
+            return None
+        since = time.monotonic()
+        deadline = since + self.settings.lost_after_s + 2 * self.settings.interval_s + 1
+        while time.monotonic() < deadline:
+            late = self._late()
+            if late:
+                return self._lost(ctx, late)
+            with self._lock:
+                beat_again = all(moved > since for count, moved in self._seen.values() if count >= 0)
+            if beat_again and len(self._seen) >= ctx.nnodes - 1:
+                return None  # every other agent is alive: a worker failed somewhere, not a node
+            time.sleep(self.settings.interval_s / 2)
+        return None
+
+    def _late(self) -> dict[int, float]:
+        """node rank -> seconds silent, for nodes silent at least --node-lost-after (done ones excepted)"""
+        now = time.monotonic()
+        with self._lock:
+            silent = {n: now - moved for n, (count, moved) in self._seen.items() if count >= 0}
+        return {n: s for n, s in silent.items() if s >= self.settings.lost_after_s}
+
+    def _lost(self, ctx: MonitorContext, late: dict[int, float]) -> NodeLost:
         self._reported = True
         nodes, rdzv = {}, []
         for n, s in sorted(late.items()):
