@@ -15,6 +15,7 @@ cause and verdict.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import signal
@@ -178,6 +179,7 @@ def inject(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, A
 
 
 def main(args: argparse.Namespace) -> int:
+    logging.getLogger("trainguard").addHandler(logging.NullHandler())  # the event is printed below, once
     try:
         run_dir = check_run_dir(args.run_dir)
         t, detail = inject(run_dir, args)
