@@ -44,6 +44,18 @@ def route_source(host: str | None) -> str | None:
     return None
 
 
+def address_toward(host: str | None) -> str:
+    """The address other nodes reach this one through, seen from ``host``: the local end of the
+    route to it, else what this host's name resolves to, else loopback."""
+    addr = route_source(host)
+    if addr is not None:
+        return addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def is_loopback(addr: str) -> bool:
     return addr in ("localhost", "::1") or addr.startswith("127.")
 

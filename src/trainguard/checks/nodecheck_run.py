@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from trainguard.detect.nodecheck import (
     tested_pairs,
     verdict,
 )
-from trainguard.stores import bound_store, route_source
+from trainguard.stores import address_toward, bound_store
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -61,13 +60,7 @@ class NodeCheckConfig:
 
 def guess_advertise_addr(peer_host: str | None) -> str:
     """The local address on the route to ``peer_host`` (no packet is sent), else this host's name."""
-    addr = route_source(peer_host)
-    if addr is not None:
-        return addr
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return address_toward(peer_host)
 
 
 class NodeChecker:

@@ -30,7 +30,7 @@ from trainguard.launch.agent import JobStopped, NodeExcluded, NodesUnreachable, 
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
 from trainguard.policy import PolicySettings
-from trainguard.stores import JobKey, bound_store, is_loopback, route_source
+from trainguard.stores import JobKey, address_toward, bound_store, is_loopback
 
 log = logging.getLogger("trainguard")
 
@@ -144,13 +144,7 @@ def advertise_address(config, single: bool) -> str:
         return config.local_addr
     if single:
         return "127.0.0.1"
-    addr = route_source(_endpoint_host(config))
-    if addr is not None:
-        return addr
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return address_toward(_endpoint_host(config))
 
 
 def _raise_signal(signum: int, frame: object) -> None:
