@@ -124,7 +124,9 @@ class LivenessMonitor(Monitor):
         if self._thread is None or self._reported:
             return None
         late = self._late()
-        if not late or self._ranks_progressed(ctx, min(late.values())):
+        # No step for --node-lost-after either (not "since its last beat": a step that ended just
+        # after the silent node's last beat would then count as progress for ever)
+        if not late or self._ranks_progressed(ctx, self.settings.lost_after_s):
             return None
         return self._lost(ctx, late)
 
