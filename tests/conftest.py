@@ -15,8 +15,8 @@ def jobs(tmp_path):
     """Start `trainguard ...` jobs; whatever they leave running is killed at teardown."""
     started: list[Job] = []
 
-    def start(*args, env=None, name=None) -> Job:
-        job = Job(list(args), tmp_path / f"{name or 'job'}-{len(started)}.out", env=env)
+    def start(*args, env=None, name=None, prefix=None) -> Job:
+        job = Job(list(args), tmp_path / f"{name or 'job'}-{len(started)}.out", env=env, prefix=prefix)
         started.append(job)
         return job
 

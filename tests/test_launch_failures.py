@@ -7,7 +7,8 @@ from torch.distributed import TCPStore
 
 from trainguard.evidence import PeerLeft, PeerStop, RankFailure
 from trainguard.launch import failures as F
-from trainguard.launch.peers import Peers
+from trainguard.launch.peers import LEAVING_KEY, STOP_KEY, Peers
+from trainguard.stores import JobKey
 
 PEER_GONE = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4312"
 
@@ -50,7 +51,8 @@ def test_failure_evidence_keys_stay_the_same():
 def test_agents_tell_each_other_through_the_store():
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        a, b = Peers("node-a"), Peers("node-b")
+        key = JobKey.for_job("job-1", single_node=False)
+        a, b = Peers("node-a", key), Peers("node-b", key)
         assert b.news(server, 2, force=True) is None
         assert a.news(None, 2, force=True) is None and a.news(server, 1, force=True) is None  # alone: no one to hear
         a.announce_leaving(server)
@@ -60,5 +62,27 @@ def test_agents_tell_each_other_through_the_store():
         assert a.news(server, 2, force=True) == PeerStop("user code failed (decided on node-b)")  # stop wins
         b.stop_everywhere(None, 2, "nothing happens without a store")
         Peers.leave_rendezvous(object())  # a handler torch cannot leave: logged, never raised
+    finally:
+        del server
+
+
+def test_a_stray_stop_without_the_job_key_is_ignored_and_reported():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        rejected = []
+        mine = Peers("node-a", JobKey.for_job("job-1", single_node=False), on_rejected=lambda k, v: rejected.append((k, v)))
+        other_job = Peers("node-x", JobKey.for_job("job-2", single_node=False))
+        server.set(STOP_KEY, "stop now")  # a stray client: no MAC at all
+        assert mine.news(server, 2, force=True) is None
+        other_job.stop_everywhere(server, 2, "another job's decision")  # signed, with another job's key
+        assert mine.news(server, 2, force=True) is None
+        other_job.announce_leaving(server)
+        assert mine.news(server, 2, force=True) is None
+        assert [k for k, _ in rejected] == [STOP_KEY, STOP_KEY, LEAVING_KEY]  # each forged value reported once
+        assert mine.news(server, 2, force=True) is None and len(rejected) == 3
+        # this job's own LEAVING value replayed as STOP does not verify: the MAC covers the key's name
+        Peers("node-b", mine.key).announce_leaving(server)
+        server.set(STOP_KEY, server.get(LEAVING_KEY))
+        assert mine.news(server, 2, force=True) == PeerLeft("node-b")
     finally:
         del server

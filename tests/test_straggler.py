@@ -121,3 +121,39 @@ def test_healthy_noisy_run_never_flags():
             ranks.append(rw(r, w, compute=c, dl=rnd.uniform(0.5, 1.5), comm=rnd.uniform(1, 5)))
         history.append(ranks)
         assert S.detect(history, CFG) == [], f"false straggler at window {w}"
+
+
+def test_one_verdict_per_incident_across_nodes(tmp_path):
+    """Two agents, each with a slow rank: one `straggler_detected` for the job (claimed through the
+    store) naming both, with each node's windows attached; each node's policy gets its own rank."""
+    from torch.distributed import TCPStore
+
+    from trainguard.events import EventBus, EventStore
+    from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
+    from trainguard.launch.straggler import StragglerMonitor
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    db = EventStore(tmp_path)
+    try:
+        mons, ctxs = [], []
+        for n in range(2):
+            ctxs.append(MonitorContext(run_dir=tmp_path, node=f"n{n}", node_rank=n, nnodes=2, nproc_per_node=2, world_size=4,
+                                       restart_count=0, workers=[WorkerInfo(i, 2 * n + i, 1) for i in (0, 1)],
+                                       events=EventBus(db, f"n{n}"), steps=StepTracker(), store=server, rdzv_backend="c10d"))  # fmt: skip
+            mons.append(StragglerMonitor(CFG))
+        for w in range(4):  # rank 1 (n0) and rank 3 (n1) compute 1.5x longer, window after window
+            for r in range(4):
+                win = rw(r, window=w, compute=75 if r in (1, 3) else 50)
+                mons[r // 2].add_window(S.RankWindow(**{**win.to_dict(), "steps": 200}))
+        found = [None, None]
+        for _ in range(8):
+            for n in (0, 1):
+                found[n] = found[n] or mons[n].poll(ctxs[n])
+        assert (found[0].rank, found[1].rank) == (1, 3)
+        [ev] = db.query(kinds=["straggler_detected"])
+        assert sorted(s["rank"] for s in ev.evidence["stragglers"]) == [1, 3]
+        assert set(ev.evidence["nodes"]) == {"n0", "n1"}
+        assert ev.node == f"n{ev.rank // 2}" and ev.evidence["recorded_by"] in ("n0", "n1")
+    finally:
+        db.close()
+        del server

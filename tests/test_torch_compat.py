@@ -158,3 +158,38 @@ def test_rendezvous_bootstrap_cache_is_DynamicRendezvousHandler__bootstrap_store
     finally:
         h.shutdown()
     C.forget_rendezvous_bootstrap(object())  # other handlers: nothing to forget
+
+
+def test_shared_store_server_is_DynamicRendezvousHandler__create_tcp_store_server():
+    from trainguard.stores import bound_store
+
+    h = handler()
+    made = []
+    try:
+        assert callable(getattr(h, "_create_tcp_store_server", None)), "torch removed _create_tcp_store_server"
+        assert C.bind_rendezvous_shared_store(h, lambda addr, port: made.append(bound_store("127.0.0.3", port)) or made[-1])
+        h.next_rendezvous()
+        assert made and h._shared_tcp_store_server is made[0], "torch no longer creates its shared store there"
+    finally:
+        h.shutdown()
+    assert not C.bind_rendezvous_shared_store(object(), None)
+
+
+def test_rendezvous_node_expiry_and_last_call_are_DynamicRendezvousHandler_internals():
+    a = handler(max_nodes=2)
+    try:
+        a.next_rendezvous()
+        assert C.rendezvous_node(a) is not None and C.rendezvous_node(object()) is None
+        me = C.rendezvous_node(a)
+        holder = a._state_holder
+        holder.sync()
+        assert [repr(n) for n in holder.state.last_heartbeats] == [me], "heartbeats are no longer keyed by _NodeDesc"
+        assert C.expire_rendezvous_node(a, me)
+        holder.sync()
+        assert me not in [repr(n) for n in holder.state.last_heartbeats], "torch no longer drops an expired node"
+        assert C.expire_rendezvous_node(a, "gone") and not C.expire_rendezvous_node(object(), me)
+        before = C.set_last_call(a, 0.5)
+        assert before == 1.0 and a._settings.timeout.last_call == timedelta(seconds=0.5)
+        assert C.set_last_call(object(), 1.0) is None
+    finally:
+        a.shutdown()

@@ -35,13 +35,13 @@ def trainguard_cmd(*args: str | os.PathLike) -> list[str]:
 class Job:
     """A `trainguard ...` process in its own session, killed with everything it started on exit."""
 
-    def __init__(self, args: list, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list, log_path: Path, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            trainguard_cmd(*args), stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            [*(prefix or []), *trainguard_cmd(*args)], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
 
     def wait(self, timeout: float = DEADLINE) -> int:

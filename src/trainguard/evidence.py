@@ -8,6 +8,7 @@ Evidence is plain data (frozen dataclasses, no I/O, nothing decided). Who produc
 - ``CheckOutcome``: the checks monitor before workers start (pre-check, node check), agreed by all
   nodes.
 - ``HangEvidence``, ``StragglerEvidence``, ``HardwareFault``: monitors' ``poll`` while workers run.
+- ``NodeLost``: the liveness monitor (launch/liveness.py), when another node stops heartbeating.
 - ``PeerStop``, ``PeerLeft``: another node's agent, through the rendezvous store (launch/peers.py).
 
 Each one goes to the matching ``decide_*`` function of ``trainguard.policy``.
@@ -180,6 +181,22 @@ class HardwareFault:
     node_rank: int
 
 
+@dataclass(frozen=True)
+class NodeLost:
+    """Other nodes stopped heartbeating while this node's ranks made no progress."""
+
+    nodes: dict[str, str]  # node name -> why (no heartbeat for N s; unreachable / host answers)
+    rdzv_nodes: list[str]  # their rendezvous identities (torch's node descriptors), to drop them
+    silent_s: float
+
+    @property
+    def message(self) -> str:
+        return "; ".join(f"node {n} lost: {why}" for n, why in self.nodes.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 # ------------------------------------------------------------------------------ other nodes
 
 
@@ -197,5 +214,5 @@ class PeerLeft:
     node: str
 
 
-RunningEvidence = HangEvidence | StragglerEvidence | HardwareFault
+RunningEvidence = HangEvidence | StragglerEvidence | HardwareFault | NodeLost
 PeerNews = PeerStop | PeerLeft

@@ -41,6 +41,7 @@ from trainguard.evidence import (
     HangEvidence,
     HardwareFault,
     HardwareReport,
+    NodeLost,
     PeerLeft,
     PeerNews,
     PeerStop,
@@ -378,6 +379,20 @@ def decide_on_hardware_fault(fault: HardwareFault, nnodes: int, min_nodes: int) 
     return confirm_exclusion(wanted, nnodes, min_nodes)
 
 
+def decide_on_node_lost(lost: NodeLost, nnodes: int, min_nodes: int) -> Decision:
+    """Nodes vanished (no heartbeat, training blocked): go on without them in a new round, which
+    does not use the restart budget, when enough nodes remain; otherwise restart (using the
+    budget) and let the rendezvous wait for a replacement."""
+    left = nnodes - len(lost.nodes)
+    evidence = {**lost.to_dict(), "nnodes": nnodes, "min_nodes": min_nodes}
+    if left >= min_nodes:
+        return Decision(Action.RERENDEZVOUS, f"{lost.message}; going on with {left} node(s)", "node_lost", None, evidence)
+    return Decision(
+        Action.RESTART, f"{lost.message}; {left} node(s) left, below the minimum {min_nodes}: waiting for a replacement",
+        "node_lost", None, evidence,
+    )  # fmt: skip
+
+
 def decide_while_running(evidence: RunningEvidence, settings: PolicySettings, nnodes: int) -> Decision | None:
     """A monitor's evidence while workers run -> the decision (None: nothing to do)."""
     if isinstance(evidence, HangEvidence):
@@ -386,6 +401,8 @@ def decide_while_running(evidence: RunningEvidence, settings: PolicySettings, nn
         return decide_on_straggler(evidence, settings.exclude_straggler, nnodes, settings.min_nodes(nnodes))
     if isinstance(evidence, HardwareFault):
         return decide_on_hardware_fault(evidence, nnodes, settings.min_nodes(nnodes))
+    if isinstance(evidence, NodeLost):
+        return decide_on_node_lost(evidence, nnodes, settings.min_nodes(nnodes))
     raise TypeError(f"no policy for evidence of type {type(evidence).__name__}")
 
 

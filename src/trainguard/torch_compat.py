@@ -91,6 +91,64 @@ def forget_rendezvous_bootstrap(handler: Any) -> None:
         handler._bootstrap_store_info = None
 
 
+def bind_rendezvous_shared_store(handler: Any, make_server: Any) -> bool:
+    """Make a dynamic rendezvous create its per-round shared TCPStore server with ``make_server(addr,
+    port)`` (trainguard binds it to one address) instead of ``TCPStore(addr, port, is_master=True)``,
+    which listens on every interface. False when the handler has no such factory."""
+    if not hasattr(handler, "_create_tcp_store_server"):
+        return False
+    handler._create_tcp_store_server = make_server
+    return True
+
+
+def rendezvous_node(handler: Any) -> str | None:
+    """This agent's identity in a dynamic rendezvous (torch's ``_NodeDesc``, as text): what the
+    other agents name when they drop it after it vanished. None for other handlers."""
+    node = getattr(handler, "_this_node", None)
+    return None if node is None else repr(node)
+
+
+def expire_rendezvous_node(handler: Any, node: str, attempts: int = 3) -> bool:
+    """Drop a vanished node from a dynamic rendezvous now, instead of after torch's keep-alive
+    timeout (keep_alive_interval x keep_alive_max_attempt, 15 s by default), during which the next
+    round cannot form. It sets the node's last heartbeat far in the past and writes the state back;
+    every agent's next sync then removes it the way torch removes any dead node. False when the
+    handler has no such state (then torch's keep-alive timeout drops it)."""
+    holder = getattr(handler, "_state_holder", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    if holder is None or lock is None:
+        return False
+    from datetime import UTC, datetime
+
+    with lock:
+        for _ in range(attempts):
+            holder.sync()
+            state = holder.state
+            target = next((n for n in state.last_heartbeats if repr(n) == node), None)
+            if target is None:
+                return True  # already gone
+            state.last_heartbeats[target] = datetime.fromtimestamp(0, UTC)
+            holder.mark_dirty()
+            if holder.sync() is not False:  # False: another agent wrote first; read and try again
+                return True
+    return False
+
+
+def set_last_call(handler: Any, seconds: float | None) -> float | None:
+    """Set a dynamic rendezvous' last-call wait (how long a round that reached --nnodes MIN waits
+    for more nodes) for the rounds that follow; returns the previous value in seconds (None: the
+    handler has no such setting). After a node was lost the survivors form the next round without
+    waiting torch's 30 s for nodes that are not coming."""
+    timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
+    if seconds is None or timeout is None or not hasattr(timeout, "_last_call"):
+        return None
+    from datetime import timedelta
+
+    before = timeout._last_call.total_seconds()
+    timeout._last_call = timedelta(seconds=seconds)
+    return before
+
+
 # ----------------------------------------------------------------------- worker processes
 
 # Imported in pre-started workers before they are needed: torch._dynamo is imported lazily by

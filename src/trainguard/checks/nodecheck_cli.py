@@ -14,8 +14,8 @@ Exit code: 0 healthy, 1 a faulty node (or a failure that could not be located), 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
-import socket
 import sys
 import threading
 from datetime import timedelta
@@ -25,6 +25,7 @@ from trainguard.checks.bench import CHAOS_ENV, parse_chaos
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
 from trainguard.detect.nodecheck import Verdict
 from trainguard.options import given, non_negative_int, port, positive, positive_int
+from trainguard.stores import bound_store
 
 EXIT_FAULTY, EXIT_STRAGGLER = 1, 3
 
@@ -120,10 +121,12 @@ def _exit_code(v: Verdict, nodes: list[int]) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def _run_local(
@@ -133,9 +136,7 @@ def _run_local(
 
     n = args.local
     chaos = _chaos_map(args.chaos, n)
-    server = TCPStore(
-        "127.0.0.1", _free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    server = bound_store("127.0.0.1", timeout_s=60)  # loopback only (torch's would listen everywhere)
     checkers = []
     for i in range(n):
         c = NodeCheckConfig(
@@ -172,14 +173,18 @@ def _run_node(
     from torch.distributed import TCPStore
 
     cfg.peer_host = args.master_addr
-    store = TCPStore(
-        args.master_addr,
-        args.master_port,
-        world_size=args.nnodes,
-        is_master=args.node_rank == 0,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=max(60.0, cfg.timeout_s)),
-    )
+    timeout_s = max(60.0, cfg.timeout_s)
+    if args.node_rank == 0 and _is_ip(args.master_addr):  # listen on that address only
+        store = bound_store(args.master_addr, args.master_port, timeout_s=timeout_s)
+    else:  # a host name may resolve here to another address than the others reach: torch's store
+        store = TCPStore(
+            args.master_addr,
+            args.master_port,
+            world_size=args.nnodes,
+            is_master=args.node_rank == 0,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
     checker = NodeChecker(store, args.node_rank, args.nnodes, cfg)
     v = checker.run()
     # Node 0 hosts the store: stay until every node has read the last wave.

@@ -15,14 +15,12 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from trainguard.checks.bench import READY_LINE, RESULT_PREFIX
@@ -37,6 +35,7 @@ from trainguard.detect.nodecheck import (
     tested_pairs,
     verdict,
 )
+from trainguard.stores import address_toward, bound_store
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -61,18 +60,7 @@ class NodeCheckConfig:
 
 def guess_advertise_addr(peer_host: str | None) -> str:
     """The local address on the route to ``peer_host`` (no packet is sent), else this host's name."""
-    if peer_host:
-        try:
-            family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((peer_host, 9))
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return address_toward(peer_host)
 
 
 class NodeChecker:
@@ -170,15 +158,8 @@ class NodeChecker:
     def _run_group(self, gbase: str, group: Group, deadline: float) -> TestResult:
         host = group[-1]
         if self.me == host:
-            from torch.distributed import TCPStore
-
-            server = TCPStore(
-                "0.0.0.0",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=self.cfg.timeout_s),
-            )
+            # Listening on the address this node is reached through only (never every interface).
+            server = bound_store(self.addr, timeout_s=self.cfg.timeout_s)
             self._servers.append(server)
             self.store.set(f"{gbase}/addr", f"{self.addr}:{server.port}")
         raw = self._get(f"{gbase}/addr", deadline)

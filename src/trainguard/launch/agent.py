@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.utils import macros
@@ -35,10 +34,17 @@ from trainguard.launch.pcontext import RunDirLogsSpecs, Target, TrainguardPConte
 from trainguard.launch.peers import Peers
 from trainguard.launch.pool import WorkerPool
 from trainguard.policy import Action, Decision, PolicySettings
+from trainguard.stores import JobKey, bound_store, can_connect
 
 log = logging.getLogger(__name__)
 
 WORKER_STORE_KEY = "trainguard/worker_store"
+LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
+REACH_TIMEOUT_S = 10.0  # a node that cannot open a connection to the workers' store in this long cannot train
+
+
+class NodesUnreachable(Exception):
+    """This node cannot reach the address another node gave its workers: the job cannot train."""
 
 
 class NodeExcluded(Exception):
@@ -72,6 +78,8 @@ class TrainguardAgent(LocalElasticAgent):
         target: Target,
         policy_settings: PolicySettings,
         rdzv_backend: str = "",
+        advertise_addr: str = "127.0.0.1",
+        job_key: JobKey | None = None,
         tee_ranks: set[int] | None = None,
         exit_barrier_timeout: float = 300,
         stop_timeout: int = 15,
@@ -87,7 +95,11 @@ class TrainguardAgent(LocalElasticAgent):
         self.rdzv_backend = rdzv_backend
         self.tee_ranks = tee_ranks
         self.stop_timeout = stop_timeout
-        self.peers = Peers(bus.node)
+        self.advertise_addr = advertise_addr
+        self.job_key = job_key or JobKey.for_job(spec.rdzv_handler.get_run_id(), single_node=True)
+        self.peers = Peers(bus.node, self.job_key, on_rejected=self._rejected_write)
+        # torch's per-round shared store (unused by our workers) would listen on every interface
+        torch_compat.bind_rendezvous_shared_store(spec.rdzv_handler, lambda addr, port: bound_store(self.advertise_addr, port))
         self.steps = StepTracker()
         self.attempt = -1  # every (re)start, membership changes included; numbered across the run dir's runs
         self.run_info: runs.RunInfo | None = None  # this run of the run dir (see launch/runs.py)
@@ -96,7 +108,8 @@ class TrainguardAgent(LocalElasticAgent):
         self.restart_reason = "worker failure"
         self.final_failures: dict[int, RankFailure] = {}
         self.stop_decision: Decision | None = None
-        self._worker_store: TCPStore | None = None
+        self._worker_store: Any = None
+        self._last_call_s: float | None = None  # the user's last call while a shorter one is set
 
     # ---- carrying out decisions ---------------------------------------------------------------
     def carry_out(self, d: Decision, *, before_start: bool = False, made_here: bool = True) -> None:
@@ -132,6 +145,24 @@ class TrainguardAgent(LocalElasticAgent):
                 self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, d.reason)
         elif d.action == Action.RERENDEZVOUS:  # a membership change does not use the restart budget
             torch_compat.set_remaining_restarts(self, torch_compat.remaining_restarts(self) + 1)
+            if made_here and d.source == "node_lost":  # the other survivors go along without a restart
+                for node in d.evidence.get("nodes", {}):
+                    self.peers.announce_leaving(self.get_worker_group().store, node)
+            self._reform_without(d.evidence.get("rdzv_nodes", []))
+
+    def _reform_without(self, lost: list[str]) -> None:
+        """Make the next round form at once: drop vanished nodes from the rendezvous now (torch
+        would wait for their keep-alive to expire) and wait only LAST_CALL_AFTER_CHANGE_S for nodes
+        beyond --nnodes MIN (torch's default last call is 30 s) in that round."""
+        handler = self.get_worker_group().spec.rdzv_handler
+        for node in lost:
+            try:
+                torch_compat.expire_rendezvous_node(handler, node)
+            except Exception as exc:  # torch's keep-alive timeout drops it later
+                log.warning("could not drop node %s from the rendezvous: %s", node, exc)
+        before = torch_compat.set_last_call(handler, LAST_CALL_AFTER_CHANGE_S)
+        if self._last_call_s is None:
+            self._last_call_s = before
 
     def record(self, d: Decision) -> None:
         self.bus.emit(
@@ -147,6 +178,9 @@ class TrainguardAgent(LocalElasticAgent):
         torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
         super()._rendezvous(worker_group)
         self._join_run(worker_group)
+        if self._last_call_s is not None:  # a round after a membership change has formed: back to the user's wait
+            torch_compat.set_last_call(worker_group.spec.rdzv_handler, self._last_call_s)
+            self._last_call_s = None
         if worker_group.spec.rdzv_handler.use_agent_store:
             self._fresh_worker_store(worker_group)
 
@@ -165,17 +199,43 @@ class TrainguardAgent(LocalElasticAgent):
         return self.attempt - (self.run_info.first_attempt if self.run_info else 0)
 
     def _fresh_worker_store(self, wg: WorkerGroup) -> None:
-        """Give this round's workers a store no earlier round has written to."""
+        """Give this round's workers a store no earlier round has written to, listening on the
+        address the other nodes reach this one through (never every interface), and check that
+        this node reaches it: nodes that cannot reach each other fail now, with their addresses
+        named, instead of waiting in init_process_group."""
         store = wg.store
         assert store is not None
         if wg.group_rank == 0:
             old, self._worker_store = self._worker_store, None
             del old  # stops the previous round's server
-            self._worker_store = TCPStore(
-                host_name=wg.master_addr, port=0, is_master=True, wait_for_workers=False, use_libuv=True
-            )
-            store.set(WORKER_STORE_KEY, str(self._worker_store.port))
-        wg.master_port = int(store.get(WORKER_STORE_KEY).decode())
+            self._worker_store = bound_store(self.advertise_addr)
+            where = f"{self.advertise_addr}:{self._worker_store.port}"
+            store.set(WORKER_STORE_KEY, self.job_key.sign(WORKER_STORE_KEY, where))
+        raw = store.get(WORKER_STORE_KEY)
+        where = self.job_key.open(WORKER_STORE_KEY, raw)
+        if where is None:
+            self._rejected_write(WORKER_STORE_KEY, raw.decode(errors="replace")[:200])
+            raise NodesUnreachable("the workers' store address in the rendezvous store is not signed by this job")
+        addr, _, port = where.rpartition(":")
+        wg.master_addr, wg.master_port = addr, int(port)
+        if wg.group_rank != 0:
+            why = can_connect(addr, int(port), REACH_TIMEOUT_S)
+            if why is not None:
+                msg = (
+                    f"node {self.bus.node} cannot reach the workers' store at {where} on node rank 0 ({why}): "
+                    f"the nodes cannot reach each other at these addresses; give each node "
+                    f"--local-addr with an address the others reach"
+                )
+                self.peers.stop_everywhere(store, wg.group_world_size or 1, msg)
+                raise NodesUnreachable(msg)
+
+    def _rejected_write(self, key: str, value: str) -> None:
+        self.bus.emit(
+            "store_write_rejected",
+            f"ignored {key} in the rendezvous store: not signed by an agent of this job",
+            severity=Severity.WARNING,
+            evidence={"key": key, "value": value},
+        )
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         while True:
@@ -206,6 +266,8 @@ class TrainguardAgent(LocalElasticAgent):
             steps=self.steps,
             store=wg.store,
             rdzv_backend=self.rdzv_backend,
+            addr=self.advertise_addr,
+            rdzv_node=torch_compat.rendezvous_node(wg.spec.rdzv_handler) or "",
         )
 
     def _before_start(self, wg: WorkerGroup) -> Decision | None:
@@ -369,6 +431,10 @@ class TrainguardAgent(LocalElasticAgent):
             return result
         found = self.monitors.on_workers_failed(self.ctx, fs.failures) if self.ctx is not None else None
         try:
+            if found is not None and found.lost is not None:  # another node vanished: not this node's failure
+                nnodes = wg.group_world_size or 1
+                self.carry_out(policy.decide_on_node_lost(found.lost, nnodes, self.policy_settings.min_nodes(nnodes)))
+                return result
             decision = policy.decide_on_failure(
                 fs.failures,
                 torch_compat.remaining_restarts(self),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import secrets
@@ -27,10 +28,11 @@ from trainguard.events.notify import Notifier, urls_from_env
 from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from trainguard.launch import console, hold, keeper, logs, plugins, runlock
-from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
+from trainguard.launch.agent import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
 from trainguard.policy import PolicySettings
+from trainguard.stores import JobKey, address_toward, bound_store, is_loopback
 
 log = logging.getLogger("trainguard")
 
@@ -80,17 +82,71 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(script=os.path.abspath(args.training_script))
 
 
-def _standalone(args: argparse.Namespace) -> None:
-    # Same defaults as torchrun's run().
+def _standalone(args: argparse.Namespace) -> bool:
+    """Same defaults as torchrun's run(); True for a single-node job on loopback (its stores then
+    listen on 127.0.0.1 only, see ``_loopback_rendezvous``)."""
+    single = False
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
+        single = True
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
         if parse_min_max_nnodes(args.nnodes)[1] == 1:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+            single = True
     if args.master_port is None:
         args.master_port = 29500
+    return single
+
+
+def _loopback_rendezvous(config) -> object:
+    """Host a single-node job's rendezvous store on 127.0.0.1 (torch's would listen on every
+    interface). torch's c10d backend opens its store multi-tenant on the endpoint's port, and so
+    uses this server."""
+    server = bound_store("127.0.0.1", multi_tenant=True)
+    config.rdzv_endpoint = f"127.0.0.1:{server.port}"
+    config.rdzv_configs["is_host"] = True
+    return server
+
+
+def _host_rendezvous(config) -> object | None:
+    """Host a multi-node c10d rendezvous store bound to the endpoint's address, when that address
+    is this machine's and nobody listens there yet (torch's store would listen on every interface,
+    and torch finds out that it is the host by host-name lookups, which fail in network namespaces
+    and on hosts without DNS: then nobody hosts the store). torch's backend then uses this server
+    (multi-tenant, same port). None: another process hosts it, or the endpoint is not here."""
+    if config.rdzv_backend != "c10d" or str(config.rdzv_configs.get("is_host", "")).lower() in ("0", "false", "no"):
+        return None
+    endpoint = (config.rdzv_endpoint or "").split(",")[0].strip()
+    if not endpoint:
+        return None
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    try:  # a host name may resolve here to another address than the one the others reach
+        ipaddress.ip_address(host)  # (127.0.1.1 in Debian's /etc/hosts): left to torch's store
+    except ValueError:
+        return None
+    if not port:
+        return None
+    try:
+        return bound_store(host, port, multi_tenant=True)
+    except (OSError, RuntimeError, ValueError):  # not this machine's address, or already hosted
+        return None
+
+
+def _endpoint_host(config) -> str | None:
+    endpoint = (config.rdzv_endpoint or "").split(",")[0].strip()
+    return parse_rendezvous_endpoint(endpoint, default_port=0)[0] if endpoint else None
+
+
+def advertise_address(config, single: bool) -> str:
+    """The address other nodes reach this one through: --local-addr, else the local end of the
+    route to the rendezvous endpoint (or master), else this host's name."""
+    if config.local_addr:
+        return config.local_addr
+    if single:
+        return "127.0.0.1"
+    return address_toward(_endpoint_host(config))
 
 
 def _raise_signal(signum: int, frame: object) -> None:
@@ -171,7 +227,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
     _setup_logging(run_dir, node)
     _install_signal_handlers()
     user_rdzv_id = args.rdzv_id
-    _standalone(args)
+    single = _standalone(args)
     try:
         config, cmd, _ = config_from_args(args)
     except (AssertionError, ValueError) as exc:
@@ -179,6 +235,15 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         return EXIT_USAGE
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
+    rdzv_server = _loopback_rendezvous(config) if single else _host_rendezvous(config)
+    advertise = advertise_address(config, single)
+    if config.max_nodes > 1 and is_loopback(advertise) and not is_loopback(_endpoint_host(config) or "localhost"):
+        print(
+            f"trainguard run: error: this node's address for the other nodes would be {advertise} (loopback) "
+            f"while the rendezvous endpoint {config.rdzv_endpoint} is not: give --local-addr",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
 
     if not store.reserve_ok:
         log.warning("the disk of %s is full: events are stored in what is left of the event store's reserve", store.path)
@@ -229,6 +294,8 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
             target=_target(args),
             policy_settings=PolicySettings.from_options(args),
             rdzv_backend=config.rdzv_backend,
+            advertise_addr=advertise,
+            job_key=JobKey.for_job(config.run_id, single_node=single),
             tee_ranks=tee,
             exit_barrier_timeout=args.exit_barrier_timeout,
             stop_timeout=args.worker_stop_timeout,
@@ -259,6 +326,9 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         code = EXIT_EXCLUDED
         if agent is not None:
             _keep_rendezvous_store(agent, rdzv_parameters, bus)
+    except NodesUnreachable as exc:
+        bus.emit("job_failed", f"job failed: {exc}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
+        print(f"trainguard run: error: {exc}", file=sys.stderr)
     except JobStopped as exc:
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:
@@ -281,6 +351,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         if agent is not None:
             agent.close()
         pool.close()
+        del rdzv_server
         notifier.close()
         store.close()
     return code

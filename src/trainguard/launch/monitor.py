@@ -8,7 +8,8 @@ which the agent hands to the policy (``trainguard.policy``) and then carries out
 
 - ``on_before_start(ctx) -> CheckOutcome | None``  -> ``policy.decide_before_start``
 - ``poll(ctx) -> HangEvidence | StragglerEvidence | HardwareFault | None``  -> ``policy.decide_while_running``
-- ``on_workers_failed(ctx, failures) -> Diagnosis | HardwareReport | None``  -> ``policy.decide_on_failure``
+- ``on_workers_failed(ctx, failures) -> Diagnosis | HardwareReport | NodeLost | None``  -> ``policy.decide_on_failure``
+  (a ``NodeLost``: ``policy.decide_on_node_lost``)
 
 A monitor never blocks the loop: ``poll`` must return within a few milliseconds and keep slow work
 (py-spy, disk) on its own threads. Any exception a monitor raises is caught (``MonitorSet``),
@@ -25,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard.evidence import CheckOutcome, Diagnosis, HardwareReport, RankFailure, RunningEvidence
+from trainguard.evidence import (
+    CheckOutcome,
+    Diagnosis,
+    HardwareReport,
+    NodeLost,
+    RankFailure,
+    RunningEvidence,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -95,6 +103,8 @@ class MonitorContext:
     # round; the static rendezvous ("static" backend) reuses one store for every attempt.
     store: Store | None = None
     rdzv_backend: str = ""
+    addr: str = ""  # the address the other nodes reach this one through
+    rdzv_node: str = ""  # this agent's identity in a dynamic rendezvous (torch_compat.rendezvous_node)
 
     def pids(self) -> dict[int, int]:
         """global rank -> pid"""
@@ -107,6 +117,7 @@ class FailureFindings:
 
     diagnosis: Diagnosis | None = None
     hardware: HardwareReport | None = None
+    lost: NodeLost | None = None  # the failure was another node vanishing (launch/liveness.py)
 
 
 class Monitor:
@@ -132,7 +143,7 @@ class Monitor:
 
     def on_workers_failed(
         self, ctx: MonitorContext, failures: dict[int, RankFailure]
-    ) -> Diagnosis | HardwareReport | None:
+    ) -> Diagnosis | HardwareReport | NodeLost | None:
         """Workers failed (global rank -> failure, first failure first), before the policy decides:
         what this monitor found out about it (a log diagnosis, a hardware check), if anything."""
         return None
@@ -187,6 +198,7 @@ class MonitorSet:
         return FailureFindings(
             diagnosis=next((f for f in found if isinstance(f, Diagnosis)), None),
             hardware=next((f for f in found if isinstance(f, HardwareReport)), None),
+            lost=next((f for f in found if isinstance(f, NodeLost)), None),
         )
 
     def notify(self, hook: str, *args: Any) -> None:

@@ -4,16 +4,21 @@ A node whose policy stops the job writes ``STOP_KEY`` (the reason, with where it
 node that leaves (excluded) writes ``LEAVING_KEY`` with its name before its workers stop, so the
 others read their workers' failure as a membership change rather than spending their restart
 budget on it. Keys live in the round's store (a c10d rendezvous scopes it to the round).
+
+Values are signed with the job's key (``trainguard.stores.JobKey``): one without the right MAC was not
+written by an agent of this job, so it is ignored and reported (``on_rejected``), never obeyed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from trainguard import torch_compat
 from trainguard.evidence import PeerLeft, PeerNews, PeerStop
+from trainguard.stores import JobKey
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +30,11 @@ CHECK_EVERY_S = 1.0
 class Peers:
     """This node's side of the conversation with the other agents."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, key: JobKey, on_rejected: Callable[[str, str], None] | None = None) -> None:
         self.node = node
+        self.key = key
+        self.on_rejected = on_rejected or (lambda k, v: None)
+        self._rejected: set[tuple[str, bytes]] = set()
         self._last_check = 0.0
 
     def news(self, store: Any, nnodes: int, force: bool = False) -> PeerNews | None:
@@ -38,29 +46,43 @@ class Peers:
             return None
         self._last_check = now
         try:
-            if store.check([STOP_KEY]):
-                return PeerStop(store.get(STOP_KEY).decode(errors="replace"))
-            if store.check([LEAVING_KEY]):
-                return PeerLeft(store.get(LEAVING_KEY).decode(errors="replace"))
+            stop = self._signed(store, STOP_KEY)
+            if stop is not None:
+                return PeerStop(stop)
+            leaving = self._signed(store, LEAVING_KEY)
+            if leaving is not None:
+                return PeerLeft(leaving)
         except Exception:  # the store host may be gone; elastic's own failure handling takes over
             return None
         return None
+
+    def _signed(self, store: Any, key: str) -> str | None:
+        """The key's value when an agent of this job wrote it; a forged one is reported once."""
+        if not store.check([key]):
+            return None
+        raw = store.get(key)
+        value = self.key.open(key, raw)
+        if value is None and (key, raw) not in self._rejected:
+            self._rejected.add((key, raw))
+            self.on_rejected(key, raw.decode(errors="replace")[:200])
+        return value
 
     def stop_everywhere(self, store: Any, nnodes: int, reason: str) -> None:
         """Tell the other agents the job is stopped, so they stop too."""
         if store is None or nnodes <= 1:
             return
         try:
-            store.set(STOP_KEY, f"{reason} (decided on {self.node})")
+            store.set(STOP_KEY, self.key.sign(STOP_KEY, f"{reason} (decided on {self.node})"))
         except Exception as exc:
             log.warning("could not tell the other agents to stop: %s", exc)
 
-    def announce_leaving(self, store: Any) -> None:
-        """Tell the other agents this node leaves, so they re-form without using a restart."""
+    def announce_leaving(self, store: Any, node: str | None = None) -> None:
+        """Tell the other agents this node (or a node found lost) leaves, so they re-form without
+        using a restart."""
         if store is None:
             return
         try:
-            store.set(LEAVING_KEY, self.node)
+            store.set(LEAVING_KEY, self.key.sign(LEAVING_KEY, node or self.node))
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)
 

@@ -30,6 +30,7 @@ MONITOR_MODULES = [
     "trainguard.launch.profiling",
     "trainguard.launch.autoinstrument",
     "trainguard.launch.hang",
+    "trainguard.launch.liveness",
     "trainguard.launch.diagnosis_monitor",
     "trainguard.launch.slowdown_monitor",
     "trainguard.launch.stacks_monitor",

@@ -3,8 +3,9 @@
 The profiling monitor (launch/profiling.py) sums each rank's spans per step and hands every
 finished window of this node to ``add_window`` (from its drain thread). On the agent's thread,
 ``poll`` publishes this node's complete windows to the rendezvous store, merges the windows every
-node has published and runs the pure detector (detect.straggler). A straggler on this node is
-recorded as ``straggler_detected``; the first one of an attempt goes to the policy as
+node has published and runs the pure detector (detect.straggler). Each incident is recorded once
+for the whole job as ``straggler_detected`` (agreed through the store, every node's windows
+attached); the first straggler of this node in an attempt goes to the policy as
 ``StragglerEvidence`` (its node leaves only with ``--exclude-straggler``, see
 ``policy.decide_on_straggler``).
 """
@@ -143,21 +144,52 @@ class StragglerMonitor(Monitor):
             ex.published = [w for w in ex.published if w > max(complete)]
 
     def _report(self, ctx: MonitorContext, verdicts: list[S.Verdict]) -> StragglerEvidence | None:
-        """Record each new straggler of this node; hand the attempt's first one to the policy."""
+        """One ``straggler_detected`` per incident (the new verdicts of one analysis, named by their
+        first slow window) for the whole job: every node runs the same detector on the same merged
+        windows, and the first agent to claim the incident in the store records it, with each
+        node's windows attached. Each node hands the policy the first straggler of its own."""
         ex = self._exchange
-        mine = {w.global_rank for w in ctx.workers}
-        found = None
+        new = [v for v in verdicts if (v.rank, v.kind) not in ex.reported]
+        if not new:
+            return None
+        ex.reported.update((v.rank, v.kind) for v in new)
         steps = self.cfg.window_steps
-        for v in verdicts:
-            if v.rank not in mine or (v.rank, v.kind) in ex.reported:
-                continue
-            ex.reported.add((v.rank, v.kind))
-            ev = StragglerEvidence(
+        found = [
+            StragglerEvidence(
                 v.rank, v.node, v.kind, v.slower_by, v.value_ms, v.peers_ms, list(v.windows),
                 (v.windows[0] * steps + 1, (v.windows[-1] + 1) * steps),
+            )
+            for v in new
+        ]  # fmt: skip
+        if self._claim(ctx, min(v.windows[0] for v in new)):
+            first = found[0]
+            windows = set(new[0].windows)
+            by_node: dict[str, list[dict]] = {}
+            for w in sorted(windows & set(ex.merged)):
+                for rw in ex.merged[w]:
+                    by_node.setdefault(rw.node, []).append(rw.to_dict())
+            ctx.events.emit(
+                "straggler_detected",
+                first.message + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""),
+                severity="warning", rank=first.rank, node=first.node,
+                evidence={**first.to_dict(), "stragglers": [f.to_dict() for f in found], "nodes": by_node,
+                          "recorded_by": ctx.node},
             )  # fmt: skip
-            ctx.events.emit("straggler_detected", ev.message, severity="warning", rank=v.rank, evidence=ev.to_dict())
-            if not ex.handed_over:
-                ex.handed_over = True
-                found = ev
-        return found
+        mine = {w.global_rank for w in ctx.workers}
+        own = next((f for f in found if f.rank in mine), None)
+        if own is None or ex.handed_over:
+            return None
+        ex.handed_over = True
+        return own
+
+    def _claim(self, ctx: MonitorContext, window: int) -> bool:
+        """Whether this agent records the incident: the first to set its key in the store."""
+        if ctx.store is None or ctx.nnodes <= 1:
+            return True
+        scope = f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
+        key = f"{STORE_PREFIX}/{scope}incident/w{window}"
+        try:
+            return ctx.store.compare_set(key, "", ctx.node).decode() == ctx.node
+        except Exception as exc:  # the store is gone: record it here rather than lose it
+            log.debug("straggler incident claim failed: %s", exc)
+            return True

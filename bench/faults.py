@@ -1,0 +1,264 @@
+"""The fault matrix: three "nodes" in network namespaces (own address each, no host-name
+resolution), elastic --nnodes 2:3, c10d rendezvous on node 1, trainguard.checkpoint every step.
+Each fault is injected with `trainguard chaos` into a job that trains; one row per fault:
+
+  verdict            what the surviving agents decided (their first node_lost / policy event)
+  detect_s           from the injection to that verdict
+  recover_s          from the injection to the first step trained after it
+  lost               steps trained before the injection that were trained again after it
+  survived           the job finished on the remaining nodes, <= 1 step lost, no process and no
+                     shared memory of the job left
+
+    sudo python bench/faults.py                       # every fault
+    sudo python bench/faults.py --faults kill-node,net-cut
+
+Needs root (network namespaces) and iproute2. net-delay / net-loss run only where the kernel has
+the netem qdisc; elsewhere their row says so and they are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from trainguard.chaos import testbed  # noqa: E402
+from trainguard.events import Event, EventStore  # noqa: E402
+
+EXAMPLE = REPO / "examples" / "train_mlp.py"
+STEP = re.compile(r"\bstep=(\d+) rank=(\d+) t=([\d.]+)")
+RESUME = re.compile(r"\bresume step=(\d+)")
+DEADLINE = 240.0
+VERDICT_KINDS = ("node_lost", "worker_failed", "worker_lost_peer", "checkpoint_failed", "checkpoint_fallback",
+                 "policy_decision", "job_failed")  # fmt: skip
+
+# fault -> (the node it hits, trainguard chaos arguments)
+FAULTS: dict[str, tuple[int, list[str]]] = {
+    "kill-node": (3, ["kill", "--node", "n3", "--what", "node"]),
+    "net-cut": (3, ["net-cut", "--node", "n3", "--duration", "600"]),
+    "agent-kill": (3, ["kill", "--node", "n3", "--what", "agent"]),
+    "store-host-kill": (1, ["kill", "--node", "n1", "--what", "node"]),
+    "disk-full": (0, ["fill-disk", "--node", "n1", "--duration", "8", "--size-mb", "64"]),
+    "corrupt-ckpt": (0, ["corrupt-ckpt", "--rank", "0"]),
+    "net-delay": (3, ["net-delay", "--node", "n3", "--delay-ms", "200", "--duration", "600"]),
+    "net-loss": (3, ["net-loss", "--node", "n3", "--loss", "20", "--duration", "600"]),
+}
+
+
+KILLS = ("kill-node", "store-host-kill")
+
+
+@dataclass
+class Row:
+    fault: str
+    verdict: str = "-"
+    detect_s: float | None = None
+    recover_s: float | None = None
+    lost: int | None = None
+    survived: bool = False
+    note: str = ""
+
+
+def events(run: Path) -> list[Event]:
+    if not (run / "events.db").exists():
+        return []
+    store = EventStore(run)
+    try:
+        return store.query()
+    finally:
+        store.close()
+
+
+def wait(cond, what: str, timeout: float = DEADLINE):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def steps(run: Path) -> list[tuple[int, float]]:
+    """(step, time) of every step rank 0 of any attempt printed."""
+    out = []
+    for log in run.glob("logs/attempt-*/rank-*.log"):
+        out += [(int(s), float(t)) for s, r, t in STEP.findall(log.read_text(errors="replace")) if r == "0"]
+    return out
+
+
+def job_processes(run: Path) -> list[psutil.Process]:
+    mine = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run) in part for part in p.info["cmdline"] or []) or p.environ().get("TRAINGUARD_RUN_DIR", "").startswith(str(run)):
+                mine.append(p)
+        except psutil.Error:
+            continue
+    return mine
+
+
+def _revert(run: Path) -> None:
+    """End every lasting injection now (its holder reverts it on SIGTERM)."""
+    for e in events(run):
+        if e.kind == "chaos_injected" and e.evidence.get("holder"):
+            try:
+                os.kill(e.evidence["holder"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
+    row = Row(fault)
+    victim, chaos_args = FAULTS[fault]
+    run = work / fault / "run"
+    run.mkdir(parents=True)
+    ckpt = work / fault / "ckpt"
+    ckpt.mkdir()
+    mounted = False
+    if fault == "disk-full":  # a small disk of its own: never fill the machine's
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tgfaults", str(ckpt)], check=True)
+        mounted = True
+        chaos_args = [*chaos_args, "--path", str(ckpt)]
+    if fault == "corrupt-ckpt":
+        chaos_args = [*chaos_args, "--ckpt-dir", str(ckpt)]
+    agents: list[subprocess.Popen] = []
+    bed = testbed.Testbed(3)
+    try:
+        port = 29400
+        for node in bed.nodes:
+            cmd = [
+                *node.exec_prefix(), sys.executable, "-m", "trainguard", "run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.nodes[0].addr}:{port}", "--rdzv-id", fault,
+                "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
+                "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
+                str(EXAMPLE), "--steps", str(args.steps), "--step-time-ms", "50", "--ckpt", "trainguard", "--ckpt-every", "1",
+            ]  # fmt: skip
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname}
+            out = open(work / fault / f"n{node.index}.out", "wb")  # noqa: SIM115
+            agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            if node.index == 1:
+                time.sleep(1.0)  # node 1 hosts the store: let it bind first
+        wait(lambda: [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3],
+             "all three nodes in one round")  # fmt: skip
+        wait(lambda: max((s for s, _ in steps(run)), default=0) >= 15, "step 15")
+        if fault == "corrupt-ckpt":
+            wait(lambda: list(ckpt.glob("step-*/rank-00000.json")), "a persisted checkpoint")
+        done = subprocess.run([sys.executable, "-m", "trainguard", "chaos", str(run), *chaos_args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        if done.returncode != 0:
+            row.note = done.stderr.strip()
+            row.verdict = "not runnable here"
+            return row
+        injected = [e for e in events(run) if e.kind == "chaos_injected"][-1]
+        t0 = injected.time
+        if fault == "corrupt-ckpt":  # the corruption matters when the rank resumes: kill it
+            subprocess.run([sys.executable, "-m", "trainguard", "chaos", str(run), "kill", "--rank", "0"],
+                           capture_output=True, timeout=120)  # fmt: skip
+            t0 = [e for e in events(run) if e.kind == "chaos_injected"][-1].time
+        survivors = [a for a in agents] if victim == 0 else [a for i, a in enumerate(agents, 1) if i != victim]
+        for a in survivors:
+            try:
+                a.wait(timeout=DEADLINE)
+            except subprocess.TimeoutExpired:
+                row.note = "a surviving agent did not finish"
+        codes = [a.returncode for a in survivors]
+        _revert(run)  # a cut node comes back: it must find the job over and leave on its own
+        if victim:
+            try:
+                agents[victim - 1].wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                row.note = f"node n{victim} did not leave after the job ended"
+        evs = [e for e in events(run) if e.time >= t0 and e.kind in VERDICT_KINDS and e.node != f"n{victim}"]
+        if evs:
+            named = next((e for e in evs if e.kind == "node_lost"), None) or next(
+                (e for e in evs if e.kind != "policy_decision"), evs[0])
+            row.verdict = f"{named.kind}: {named.message}"[:100]
+            row.detect_s = round(evs[0].time - t0, 1)
+        all_steps = steps(run)
+        before = max((s for s, t in all_steps if t <= t0), default=0)
+        after = sorted((t, s) for s, t in all_steps if t > t0)
+        resumed = [int(k) for log in run.glob("logs/attempt-*/rank-*.log") if log.parent.name != "attempt-0"
+                   for k in RESUME.findall(log.read_text(errors="replace"))]  # fmt: skip
+        if after:
+            restarted = [t for t, s in after if s <= before]  # a step trained again: the restart is back
+            row.recover_s = round((restarted[0] if restarted else after[0][0]) - t0, 1)
+            row.lost = max(0, before - min(resumed)) if resumed else 0
+        finished = all(c == 0 for c in codes) and codes
+        left = [p for p in job_processes(run) if p.is_running()] if finished else []
+        # A killed node's snapshot in /dev/shm is that node's memory, gone with it on a real machine
+        # (here the nodes share the host's /dev/shm; its next agent there would remove it): not
+        # counted, removed below. Every other node's must be gone.
+        gone = {agents[victim - 1].pid} if victim and fault in KILLS else set()
+        shm_left = [n for n in os.listdir("/dev/shm") if any(str(a.pid) in n for a in agents if a.pid not in gone)]
+        row.survived = bool(finished) and not left and not shm_left and (row.lost or 0) <= 1
+        if not finished:
+            row.note = row.note or f"exit codes {codes}"
+        elif left or shm_left:
+            row.note = f"left: {len(left)} processes, {len(shm_left)} shm"
+        return row
+    finally:
+        _revert(run)
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGTERM)
+        for a in agents:
+            try:
+                a.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(a.pid, signal.SIGKILL)
+        for p in job_processes(run):
+            p.kill()
+        for name in os.listdir("/dev/shm"):
+            if any(f"-{a.pid}-" in name or name.endswith(f"-{a.pid}") for a in agents):
+                subprocess.run(["rm", "-rf", f"/dev/shm/{name}"], check=False)
+        bed.close()
+        if mounted:
+            subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+def fmt(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, from: " + ", ".join(FAULTS))
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--keep", type=Path, help="keep each case's run dir and outputs under this directory")
+    args = p.parse_args()
+    wanted = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in wanted if f not in FAULTS]
+    if unknown or testbed.available():
+        print(f"faults.py: error: {testbed.available() or f'unknown faults {unknown}'}", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tgfaults-", dir=args.keep) as tmp:
+        print(f"{'fault':<16} {'survived':<8} {'detect_s':>8} {'recover_s':>9} {'lost':>4}  verdict / note", flush=True)
+        for fault in wanted:
+            row = run_case(fault, args, Path(tmp))
+            rows.append(row)
+            ran = row.verdict != "not runnable here"
+            print(f"{row.fault:<16} {('yes' if row.survived else 'NO') if ran else 'n/a':<8} {fmt(row.detect_s):>8} {fmt(row.recover_s):>9} "
+                  f"{fmt(row.lost):>4}  {row.verdict}{'  [' + row.note + ']' if row.note else ''}", flush=True)  # fmt: skip
+    counted = [r for r in rows if r.verdict != "not runnable here"]
+    survived = sum(r.survived for r in counted)
+    beyond = sum(max(0, (r.lost or 0) - 1) for r in counted)
+    print(f"{survived}/{len(counted)} faults survived, {beyond} steps lost beyond 1")
+    return 0 if survived == len(counted) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The part of a chaos injection that lasts: a CPU load, a filled disk, a network fault — held
+for a bounded time in a detached process, then reverted (``chaos_reverted`` event).
+
+Run as ``python -m trainguard.chaos.background SPEC_JSON``; ``start`` does that. Every loop is
+bounded by the spec's duration (at most ``MAX_DURATION_S``); SIGTERM reverts early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_DURATION_S = 3600.0
+FILL_CHUNK = 16 << 20
+
+
+def start(spec: dict[str, Any], log_path: Path) -> int:
+    """Start the detached holder; its pid."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.chaos.background", json.dumps(spec)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return proc.pid
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_term(signum: int, frame: object) -> None:
+    raise _Stop
+
+
+def cpu_load(cpu: int | None, percent: float, until: float) -> None:
+    """Busy ``percent`` of every 100 ms on ``cpu`` (the rank's core), until ``until``."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    period, busy = 0.1, 0.1 * percent / 100
+    while time.monotonic() < until:
+        start = time.monotonic()
+        while time.monotonic() - start < busy:
+            pass
+        time.sleep(max(0.0, period - (time.monotonic() - start)))
+
+
+def fill_disk(path: Path, size: int, leave: int, until: float) -> int:
+    """Write ``path`` until ``size`` bytes, or until only ``leave`` bytes are free (or the disk is
+    full); hold until ``until``. Bytes written."""
+    written = 0
+    chunk = b"\0" * FILL_CHUNK
+    with open(path, "wb") as f:
+        while written < size:
+            free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
+            n = min(FILL_CHUNK, size - written, max(0, free - leave))
+            if n <= 0:
+                break
+            try:
+                f.write(chunk[:n])
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:  # ENOSPC: as full as it gets
+                break
+            written += n
+    while time.monotonic() < until:
+        time.sleep(min(0.5, max(0.0, until - time.monotonic())))
+    return written
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, capture_output=True, timeout=30, check=False)
+
+
+def main(spec: dict[str, Any]) -> None:
+    from trainguard.events import EventBus, EventStore
+
+    signal.signal(signal.SIGTERM, _on_term)
+    until = time.monotonic() + min(float(spec["duration"]), MAX_DURATION_S)
+    fault, detail = spec["fault"], ""
+    try:
+        with contextlib.suppress(_Stop):
+            if fault == "slow":
+                cpu_load(spec.get("cpu"), float(spec["percent"]), until)
+            elif fault == "fill-disk":
+                detail = f"{fill_disk(Path(spec['file']), int(spec['size']), int(spec['leave']), until)} bytes written"
+            else:  # network faults: the change is made already, hold it
+                while time.monotonic() < until:
+                    time.sleep(min(0.5, max(0.0, until - time.monotonic())))
+    finally:
+        if fault == "fill-disk":
+            with contextlib.suppress(OSError):
+                os.unlink(spec["file"])
+        for cmd in spec.get("revert", []):
+            _run(cmd)
+        store = EventStore(Path(spec["run_dir"]))
+        EventBus(store, node=spec["node"]).emit(
+            "chaos_reverted", f"chaos {fault} on {spec['node']} reverted {detail}".strip(),
+            evidence={"fault": fault, "injection": spec["id"]},
+        )  # fmt: skip
+        store.close()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,200 @@
+"""`trainguard chaos RUN_DIR FAULT --rank R | --node N`: rehearse a failure on a running job.
+
+Faults: kill (a worker with --rank; the node's agent with --what agent; the node's whole process
+tree with --what node), stop / cont (SIGSTOP / SIGCONT a rank or a node's workers), slow (a CPU
+load of --percent sharing the rank's core for --duration s, as seed 004's chaos experiment),
+fill-disk (fill --path up to --size MB or --leave-mb free, for --duration s, then delete it),
+corrupt-ckpt (overwrite bytes in the middle of the newest trainguard.checkpoint step in
+--ckpt-dir), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
+(link down), net-delay / net-loss (tc netem; kernels without the netem qdisc get a clear error).
+Lasting faults are held by a detached process and reverted after --duration (bounded).
+Every injection is recorded as a ``chaos_injected`` event on the target node, so reports join
+cause and verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainguard.chaos import background
+from trainguard.chaos.targets import Target, TargetError, resolve
+from trainguard.events import EventBus, EventStore
+from trainguard.exitcodes import EXIT_USAGE
+from trainguard.options import positive
+from trainguard.view.rundir import NotARunDir, check_run_dir
+
+FAULTS = ["kill", "stop", "cont", "slow", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss"]
+NET_FAULTS = ("net-cut", "net-delay", "net-loss")
+
+
+class ChaosError(Exception):
+    pass
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the running job's run directory")
+    p.add_argument("fault", choices=FAULTS)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--rank", type=int, help="aim at this global rank (and its node)")
+    where.add_argument("--node", help="aim at this node (its --node-name)")
+    p.add_argument("--what", choices=["worker", "agent", "node"], default=None,
+                   help="kill: the rank's worker (default with --rank), the node's agent, or the node's whole "
+                        "process tree (default with --node)")  # fmt: skip
+    p.add_argument("--duration", type=positive, default=30.0, help="seconds a lasting fault is held (default 30, at most 3600)")
+    p.add_argument("--percent", type=positive, default=90.0, help="slow: CPU load in %% of the rank's core (default 90)")
+    p.add_argument("--path", type=Path, help="fill-disk: a directory on the disk to fill")
+    p.add_argument("--size-mb", type=positive, default=1024.0, help="fill-disk: write at most this much (default 1024)")
+    p.add_argument("--leave-mb", type=float, default=0.0, help="fill-disk: leave this much free (default 0: fill it)")
+    p.add_argument("--ckpt-dir", type=Path,
+                   help="corrupt-ckpt: the job's trainguard.checkpoint directory (default RUN_DIR/checkpoints)")
+    p.add_argument("--delay-ms", type=positive, default=200.0, help="net-delay: added delay (default 200)")
+    p.add_argument("--loss", type=positive, default=10.0, help="net-loss: packets lost in %% (default 10)")
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> list[int]:
+    done = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            done.append(pid)
+        except ProcessLookupError:
+            continue
+    return done
+
+
+def _kill(t: Target, what: str) -> dict[str, Any]:
+    if what == "worker":
+        if t.rank is None:
+            raise ChaosError("kill --what worker needs --rank")
+        pids = list(t.workers.values())
+    elif what == "agent":
+        if t.agent is None:
+            raise ChaosError(f"node {t.node}'s agent is not running on this host")
+        pids = [t.agent]
+    else:
+        pids = t.tree()
+    return {"signal": "SIGKILL", "what": what, "pids": _signal(pids, signal.SIGKILL)}
+
+
+def _slow(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    pid = next(iter(t.workers.values()))
+    cpu = psutil.Process(pid).cpu_num()
+    spec.update(cpu=cpu, percent=min(args.percent, 100.0))
+    return {"cpu": cpu, "percent": spec["percent"], "holder": background.start(spec, _log(run_dir, spec))}
+
+
+def _fill_disk(args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    if args.path is None or not args.path.is_dir():
+        raise ChaosError("fill-disk needs --path, an existing directory on the disk to fill")
+    spec.update(file=str(args.path / f".trainguard-chaos-fill-{spec['id']}"), size=int(args.size_mb * (1 << 20)),
+                leave=int(args.leave_mb * (1 << 20)))  # fmt: skip
+    return {"file": spec["file"], "size": spec["size"], "holder": background.start(spec, _log(run_dir, spec))}
+
+
+def _corrupt(ckpt_dir: Path, t: Target) -> dict[str, Any]:
+    from trainguard.checkpoint import disk
+
+    rank = t.rank if t.rank is not None else min(t.workers)
+    steps = disk.list_steps(ckpt_dir, rank)
+    if not steps:
+        raise ChaosError(f"no checkpoint of rank {rank} in {ckpt_dir} (give --ckpt-dir)")
+    path = disk.step_dir(ckpt_dir, steps[0]) / disk.data_name(rank)
+    size = path.stat().st_size
+    n = min(4096, max(1, size // 4))
+    with open(path, "r+b") as f:  # in place: the file keeps its name and size, its bytes are wrong
+        f.seek(size // 2)
+        f.write(secrets.token_bytes(n))
+    return {"file": str(path), "step": steps[0], "bytes": n}
+
+
+def _netns_of(pid: int) -> tuple[str, str]:
+    """The named network namespace a process runs in, and its interface (not lo)."""
+    ino = os.stat(f"/proc/{pid}/ns/net").st_ino
+    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    name = next((n for n in names if os.stat(f"/run/netns/{n}").st_ino == ino), None)
+    if name is None:
+        raise ChaosError("network faults need the node in its own network namespace (a test bed); "
+                         "this node shares the host's network")  # fmt: skip
+    out = subprocess.run(["ip", "netns", "exec", name, "ip", "-o", "link"], capture_output=True, text=True, timeout=30)
+    devs = [ln.split(":")[1].strip().split("@")[0] for ln in out.stdout.splitlines() if ":" in ln]
+    dev = next((d for d in devs if d != "lo"), None)
+    if dev is None:
+        raise ChaosError(f"namespace {name} has no network interface besides lo")
+    return name, dev
+
+
+def _net(fault: str, args: argparse.Namespace, t: Target, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    pid = t.agent or next(iter(t.workers.values()))
+    ns, dev = _netns_of(pid)
+    inside = ["ip", "netns", "exec", ns]
+    if fault == "net-cut":
+        change, revert = [*inside, "ip", "link", "set", dev, "down"], [*inside, "ip", "link", "set", dev, "up"]
+    else:
+        netem = ["delay", f"{args.delay_ms:g}ms"] if fault == "net-delay" else ["loss", f"{args.loss:g}%"]
+        change = [*inside, "tc", "qdisc", "add", "dev", dev, "root", "netem", *netem]
+        revert = [*inside, "tc", "qdisc", "del", "dev", dev, "root"]
+    done = subprocess.run(change, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        why = done.stderr.strip().splitlines()[0] if done.stderr.strip() else f"exit {done.returncode}"
+        if fault != "net-cut" and ("netem" in why.lower() or "unknown" in why.lower() or "not found" in why.lower()):
+            raise ChaosError(f"{fault} needs the netem qdisc, which this kernel lacks ({why})")
+        raise ChaosError(f"{' '.join(change)}: {why}")
+    spec["revert"] = [revert]
+    return {"netns": ns, "dev": dev, "holder": background.start(spec, _log(run_dir, spec))}
+
+
+def _log(run_dir: Path, spec: dict[str, Any]) -> Path:
+    return run_dir / "chaos" / f"{spec['id']}.log"
+
+
+def inject(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, Any]]:
+    t = resolve(run_dir, rank=args.rank, node=args.node)
+    fault = args.fault
+    spec = {"id": f"{int(time.time())}-{secrets.token_hex(3)}", "fault": fault, "run_dir": str(run_dir),
+            "node": t.node, "duration": min(args.duration, background.MAX_DURATION_S)}  # fmt: skip
+    if fault == "kill":
+        return t, _kill(t, args.what or ("worker" if t.rank is not None else "node"))
+    if fault in ("stop", "cont"):
+        sig = signal.SIGSTOP if fault == "stop" else signal.SIGCONT
+        return t, {"signal": sig.name, "pids": _signal(list(t.workers.values()), sig)}
+    if fault == "slow":
+        return t, {**_slow(t, args, run_dir, spec), "duration": spec["duration"]}
+    if fault == "fill-disk":
+        return t, {**_fill_disk(args, run_dir, spec), "duration": spec["duration"]}
+    if fault == "corrupt-ckpt":
+        return t, _corrupt(args.ckpt_dir or run_dir / "checkpoints", t)
+    return t, {**_net(fault, args, t, run_dir, spec), "duration": spec["duration"]}
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.getLogger("trainguard").addHandler(logging.NullHandler())  # the event is printed below, once
+    try:
+        run_dir = check_run_dir(args.run_dir)
+        t, detail = inject(run_dir, args)
+    except (NotARunDir, TargetError, ChaosError) as exc:
+        print(f"trainguard chaos: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    where = f"rank {t.rank} on node {t.node}" if t.rank is not None else f"node {t.node}"
+    message = f"chaos {args.fault} injected into {where}"
+    store = EventStore(run_dir)
+    try:
+        EventBus(store, node=t.node).emit(
+            "chaos_injected", message, severity="warning", rank=t.rank,
+            evidence={"fault": args.fault, "by": socket.gethostname(), **detail},
+        )  # fmt: skip
+    finally:
+        store.close()
+    print(message + "".join(f"; {k}={v}" for k, v in detail.items()))
+    return 0

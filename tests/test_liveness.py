@@ -1,0 +1,72 @@
+"""The liveness monitor on a real TCPStore: a node that stops heartbeating is lost only while this
+node's ranks make no progress; a node that finished is never lost."""
+
+from __future__ import annotations
+
+import time
+
+from tgtest import wait_for
+from torch.distributed import TCPStore
+
+from trainguard.events import EventBus, EventStore
+from trainguard.launch.liveness import LivenessMonitor, LivenessSettings
+from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
+
+FAST = LivenessSettings(interval_s=0.05, lost_after_s=0.6)
+
+
+def contexts(tmp_path, server, db):
+    return [
+        MonitorContext(run_dir=tmp_path, node=f"n{n}", node_rank=n, nnodes=2, nproc_per_node=1, world_size=2,
+                       restart_count=0, workers=[WorkerInfo(0, n, 1)], events=EventBus(db, f"n{n}"), steps=StepTracker(),
+                       store=server, rdzv_backend="c10d", addr="127.0.0.1", rdzv_node=f"desc-{n}")  # fmt: skip
+        for n in (0, 1)
+    ]
+
+
+def test_silent_node_is_lost_only_while_training_is_blocked(tmp_path):
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    db = EventStore(tmp_path)
+    a, b = LivenessMonitor(FAST), LivenessMonitor(FAST)
+    try:
+        ca, cb = contexts(tmp_path, server, db)
+        a.on_workers_started(ca)
+        b.on_workers_started(cb)
+        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+        b._halt()  # node 1 goes silent (its agent died)
+        step = 0
+        end = time.monotonic() + 2 * FAST.lost_after_s
+        while time.monotonic() < end:  # our rank keeps stepping: a silent node is only late
+            step += 1
+            ca.steps.record(StepSample(0, step, time.time(), 0.01))
+            assert a.poll(ca) is None
+            time.sleep(0.05)
+        lost = wait_for(lambda: a.poll(ca), 10, "node_lost once training blocks")
+        assert list(lost.nodes) == ["n1"] and lost.rdzv_nodes == ["desc-1"]
+        assert "no heartbeat" in lost.nodes["n1"] and "127.0.0.1 answers" in lost.nodes["n1"]
+        assert [e.kind for e in db.query(kinds=["node_lost"])] == ["node_lost"]
+        assert a.poll(ca) is None  # reported once per round
+    finally:
+        a.close()
+        b.close()
+        db.close()
+        del server
+
+
+def test_a_node_that_finished_is_not_lost(tmp_path):
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    db = EventStore(tmp_path)
+    a, b = LivenessMonitor(FAST), LivenessMonitor(FAST)
+    try:
+        ca, cb = contexts(tmp_path, server, db)
+        a.on_workers_started(ca)
+        b.on_workers_started(cb)
+        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+        b.close()  # finished: marks itself done
+        wait_for(lambda: a._seen.get(1, (0,))[0] == -1, 10, "node 1 seen done")
+        time.sleep(2 * FAST.lost_after_s)  # longer than --node-lost-after, no steps here
+        assert a.poll(ca) is None
+    finally:
+        a.close()
+        db.close()
+        del server
