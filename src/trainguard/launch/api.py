@@ -23,12 +23,13 @@ from torch.distributed.run import config_from_args, get_use_env, parse_min_max_n
 
 from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
-from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
 from trainguard.launch import console, hold, keeper, plugins
 from trainguard.launch.agent import JobStopped, NodeExcluded, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
-from trainguard.policy import PolicySettings
+from trainguard.policy import Decision, PolicySettings
+from trainguard.schedulers import adapter as scheduler
 
 log = logging.getLogger("trainguard")
 
@@ -100,7 +101,8 @@ def _install_signal_handlers() -> None:
     # From the first moment (rendezvous included) a SIGTERM/SIGINT becomes an exception that
     # unwinds through our cleanup, instead of killing the agent and orphaning its workers. torch
     # elastic's agent catches the same SignalException to stop its workers.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    # SIGUSR1: Slurm's warning before the time limit or preemption (sbatch --signal=USR1@N).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(sig, _raise_signal)
 
 
@@ -133,7 +135,19 @@ def _keep_rendezvous_store(agent: TrainguardAgent, params: RendezvousParameters,
     bus.emit("store_keeper_done", f"stopped serving the rendezvous store: {why}", evidence={"port": port})
 
 
+def _nodes_left(agent: TrainguardAgent | None, d: Decision) -> tuple[int | None, int | None]:
+    """(nodes that go on, the job's minimum) after this node's exclusion, for --requeue."""
+    nnodes = d.evidence.get("nnodes")
+    if not isinstance(nnodes, int) and agent is not None and agent.ctx is not None:
+        nnodes = agent.ctx.nnodes
+    if not isinstance(nnodes, int) or agent is None:
+        return None, None
+    leaving = len(d.evidence.get("faulty") or {}) or 1
+    return nnodes - leaving, agent.policy_settings.min_nodes(nnodes)
+
+
 def launch(args: argparse.Namespace) -> int:
+    slurm_job = scheduler.autodetect(args)  # before the run dir: it is keyed by the job id
     try:
         # Every monitor's settings are read first: one that cannot start stops the launch here,
         # before a run dir, a process or a port exists.
@@ -144,6 +158,7 @@ def launch(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     node = args.node_name or socket.gethostname()
     _setup_logging(run_dir, node)
+    scheduler.describe(slurm_job, args)
     _install_signal_handlers()
     user_rdzv_id = args.rdzv_id
     _standalone(args)
@@ -159,6 +174,7 @@ def launch(args: argparse.Namespace) -> int:
     bus = EventBus(store, node=node)
     notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
     bus.subscribe(notifier)
+    sched = scheduler.Scheduler.from_options(args, run_dir, bus.emit, slurm_job)
     pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), enabled=args.prestart_workers == "on")
 
     # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
@@ -177,6 +193,7 @@ def launch(args: argparse.Namespace) -> int:
     agent: TrainguardAgent | None = None
     shutdown_rdzv = True
     code = EXIT_FAILED
+    verdict = "the job failed"
     try:
         master_addr, master_port = _static_master(rdzv_parameters)
         spec = WorkerSpec(
@@ -211,9 +228,12 @@ def launch(args: argparse.Namespace) -> int:
         result = agent.run()
         if result is not None and result.state == WorkerState.SUCCEEDED:
             bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.attempt + 1})
-            code = EXIT_OK
+            code, verdict = EXIT_OK, "the job succeeded"
         else:
             reason = agent.stop_decision.reason if agent.stop_decision else agent.restart_reason
+            verdict = reason
+            if agent.stop_decision is not None and agent.stop_decision.evidence.get("faulty"):
+                code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
             bus.emit(
                 "job_failed",
                 f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {config.max_restarts})"),
@@ -230,15 +250,22 @@ def launch(args: argparse.Namespace) -> int:
         d = exc.decision
         bus.emit("node_excluded", d.exit_message or d.reason, severity=Severity.ERROR, rank=d.rank, evidence={"reason": d.reason, "source": d.source, **d.evidence})
         print(d.exit_message or d.reason, flush=True)
-        code = EXIT_EXCLUDED
+        code, verdict = EXIT_EXCLUDED, f"{d.exit_message} {d.reason}".strip()
+        nodes_left, min_nodes = _nodes_left(agent, d)
+        sched.on_excluded(node, d.reason, nodes_left, min_nodes)
         if agent is not None:
             _keep_rendezvous_store(agent, rdzv_parameters, bus)
     except JobStopped as exc:
+        verdict = exc.decision.reason
+        if exc.decision.evidence.get("faulty"):
+            code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:
         shutdown_rdzv = False
+        if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
+            sched.on_preempted(exc.sigval, node)
         bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
-        code = 128 + int(exc.sigval)
+        code, verdict = signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)"
     except Exception as exc:
         log.exception("agent failed")
         bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
@@ -250,11 +277,12 @@ def launch(args: argparse.Namespace) -> int:
                 pass
         # After the rendezvous is closed (the other nodes are not kept waiting), before the
         # monitors close (the metrics endpoint and status stay up while held).
-        if code in (EXIT_FAILED, EXIT_EXCLUDED) and args.hold_on_failure:
+        if code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
             hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if code == EXIT_EXCLUDED else "failed")
         if agent is not None:
             agent.close()
         pool.close()
+        sched.finish(code, verdict)  # after close: the snapshots are on disk before a requeue
         notifier.close()
         store.close()
     return code
