@@ -279,6 +279,10 @@ def launch(args: argparse.Namespace) -> int:
         # monitors close (the metrics endpoint and status stay up while held).
         if code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
             hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if code == EXIT_EXCLUDED else "failed")
+        # Already stopping: a second signal (Slurm's SIGTERM after SIGUSR1, a requeue by another
+        # node) must not cut short persisting the snapshots and stopping the workers.
+        for sig in scheduler.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         if agent is not None:
             agent.close()
         pool.close()

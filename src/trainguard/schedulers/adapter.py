@@ -32,6 +32,7 @@ log = logging.getLogger("trainguard")
 EXCLUDE_FILE = "exclude-nodes"
 ENV_NODE, ENV_REASON, ENV_RUN_DIR = "TRAINGUARD_EXCLUDED_NODE", "TRAINGUARD_EXCLUDE_REASON", "TRAINGUARD_RUN_DIR"
 HOOK_TIMEOUT_S = 60.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
 def _argv(text: str) -> list[str]:
@@ -167,8 +168,9 @@ class Scheduler:
         kubernetes.write_verdict(code, message, kubernetes.termination_log_path())
         if self._requeue is None or self.job is None:
             return
-        # requeue(hold) ends this very step with SIGTERM: block it until the job is released.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP})
+        # requeue(hold) ends this very step with SIGTERM: ignore it until the job is released.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         out = slurm.requeue(self.job.job_id, self._requeue, self.runner)
         self.emit("job_requeued" if out.ok else "job_requeue_failed", f"slurm: {out.detail}",
                   severity="warning" if out.ok else "error", evidence={"exclude": self._requeue, "ok": out.ok})
