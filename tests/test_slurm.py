@@ -241,3 +241,35 @@ exec {_trainguard("--requeue $extra", str(EXAMPLE), "--steps 4")}'
     assert requeue.node == "n2" and requeue.evidence["exclude"] == ["n2"]
     assert {e.node for e in events(run, "job_succeeded")} == {"n1", "n3"}, log.read_text()
     assert cluster.node_state("n2") == "idle"  # not drained: only excluded from this job
+
+
+def test_usr1_warning_with_requeue_persists_then_requeues_and_the_job_resumes(cluster, workdir):
+    """sbatch --signal=USR1@N sends SIGUSR1 to the step's tasks before the time limit; scancel
+    --signal=USR1 sends the same signal now."""
+    script = f"""#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --output=out-%j.txt
+#SBATCH --open-mode=append
+srun {_trainguard("--precheck off --requeue --local-ranks-filter 0", str(EXAMPLE), "--steps 60 --step-time-ms 100 --ckpt trainguard --ckpt-every 1")}
+"""
+    job = cluster.sbatch(script, workdir)
+    log = workdir / f"out-{job}.txt"
+    wait_for(lambda: log.exists() and "[rank0]: step=5 " in log.read_text(), DEADLINE, "step 5 of the first run")
+    cluster.run("scancel", "--signal=USR1", job)
+    wait_for(lambda: cluster.job_field(job, "Restarts") not in ("", "0") and cluster.state(job) == "PENDING",
+             DEADLINE, "trainguard to requeue the job")  # fmt: skip
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
+    assert cluster.wait_done(job) == "COMPLETED", log.read_text()
+    out = log.read_text()
+    seen = _steps_and_resumes(out)
+    resumes = [i for i, (kind, _) in enumerate(seen) if kind == "resume step"]
+    assert len(resumes) == 2, out
+    last_before = max(step for kind, step in seen[: resumes[1]] if kind == "step")
+    assert last_before - 1 <= seen[resumes[1]][1] <= last_before, out  # at most one step lost
+    run = workdir / "trainguard-runs" / f"slurm-{job}"
+    preempted = events(run, "job_preempted")
+    assert {e.evidence["signal"] for e in preempted} == {"SIGUSR1"}
+    assert {e.node for e in preempted if e.evidence["requeue"]} == {"n1"}  # the first host asks, once
+    [requeued] = events(run, "job_requeued")
+    assert requeued.node == "n1"
