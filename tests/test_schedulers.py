@@ -237,3 +237,16 @@ def test_termination_log_written_where_it_exists(tmp_path):
     assert path.read_text() == "trainguard: exit 143 (retryable): stopped by SIGTERM\n"
     assert kubernetes.write_verdict(1, "x", None) is None
     assert kubernetes.write_verdict(1, "x", tmp_path / "no" / "dir") is None  # never raises
+
+
+@pytest.mark.slow
+def test_trainguard_run_writes_its_verdict_and_a_permanent_code_for_a_user_error(jobs, tmp_path):
+    from tgtest import EXAMPLE
+
+    term = tmp_path / "termination-log"
+    job = jobs("run", "--standalone", "--nproc-per-node", "1", "--quiet", "--precheck", "off", "--run-dir", tmp_path / "run",
+               EXAMPLE, "--steps", "3", "--fail-rank", "0", "--fail-step", "2", "--fail-mode", "zerodiv",
+               env={kubernetes.ENV_TERMINATION_LOG: str(term)})  # fmt: skip
+    assert job.wait() == EXIT_FAILED, job.output()
+    line = term.read_text()
+    assert line.startswith("trainguard: exit 1 (permanent): user code failed") and line.count("\n") == 1, line

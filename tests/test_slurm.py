@@ -186,6 +186,21 @@ def _steps_and_resumes(out: str) -> list[tuple[str, int]]:
     return [(m.group(1), int(m.group(2))) for m in re.finditer(r"\[rank0\]: (resume step|step)=(\d+)", out)]
 
 
+def _requeued_run_resumed(cluster: Cluster, job: str, log: Path) -> str:
+    """Start the requeued job, wait for it to complete, and check that its second run resumed
+    from the first run's last step, or the one before (at most one step lost). Returns the log."""
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
+    assert cluster.wait_done(job) == "COMPLETED", log.read_text()
+    out = log.read_text()
+    seen = _steps_and_resumes(out)
+    resumes = [i for i, (kind, _) in enumerate(seen) if kind == "resume step"]
+    assert len(resumes) == 2, out
+    last_before = max(step for kind, step in seen[: resumes[1]] if kind == "step")
+    resumed_at = seen[resumes[1]][1]
+    assert 0 < resumed_at and last_before - 1 <= resumed_at <= last_before, (last_before, resumed_at)
+    return out
+
+
 def test_requeue_persists_the_snapshot_and_the_requeued_job_resumes_from_it(cluster, workdir):
     script = f"""#!/bin/bash
 #SBATCH --nodes=2
@@ -199,15 +214,7 @@ srun {_trainguard("--precheck off --local-ranks-filter 0", str(EXAMPLE), "--step
     wait_for(lambda: log.exists() and "[rank0]: step=5 " in log.read_text(), DEADLINE, "step 5 of the first run")
     cluster.run("scontrol", "requeue", job)  # SIGTERM to every task, the job back in the queue
     wait_for(lambda: cluster.state(job) == "PENDING", DEADLINE, "the job requeued")
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
-    assert cluster.wait_done(job) == "COMPLETED", log.read_text()
-    out = log.read_text()
-    seen = _steps_and_resumes(out)
-    resumes = [i for i, (kind, _) in enumerate(seen) if kind == "resume step"]
-    assert len(resumes) == 2, out
-    last_before = max(step for kind, step in seen[: resumes[1]] if kind == "step")
-    resumed_at = seen[resumes[1]][1]
-    assert last_before - 1 <= resumed_at <= last_before, (last_before, resumed_at)  # at most one step lost
+    out = _requeued_run_resumed(cluster, job, log)
     run = workdir / "trainguard-runs" / f"slurm-{job}"
     preempted = events(run, "job_preempted")
     assert {e.node for e in preempted} == {"n1", "n2"} and all(e.evidence["signal"] == "SIGTERM" for e in preempted)
@@ -259,14 +266,7 @@ srun {_trainguard("--precheck off --requeue --local-ranks-filter 0", str(EXAMPLE
     cluster.run("scancel", "--signal=USR1", job)
     wait_for(lambda: cluster.job_field(job, "Restarts") not in ("", "0") and cluster.state(job) == "PENDING",
              DEADLINE, "trainguard to requeue the job")  # fmt: skip
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
-    assert cluster.wait_done(job) == "COMPLETED", log.read_text()
-    out = log.read_text()
-    seen = _steps_and_resumes(out)
-    resumes = [i for i, (kind, _) in enumerate(seen) if kind == "resume step"]
-    assert len(resumes) == 2, out
-    last_before = max(step for kind, step in seen[: resumes[1]] if kind == "step")
-    assert last_before - 1 <= seen[resumes[1]][1] <= last_before, out  # at most one step lost
+    _requeued_run_resumed(cluster, job, log)
     run = workdir / "trainguard-runs" / f"slurm-{job}"
     preempted = events(run, "job_preempted")
     assert {e.evidence["signal"] for e in preempted} == {"SIGUSR1"}
