@@ -3,7 +3,6 @@ snapshots, persist/prune, corrupt and partial checkpoints, a full disk, events."
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

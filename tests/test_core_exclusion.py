@@ -7,6 +7,8 @@ import socket
 import pytest
 from tgtest import EXAMPLE, events, free_port, rank_log, wait_event, wait_for, wait_log
 
+from trainguard.exitcodes import EXIT_EXCLUDED
+
 
 def port_open(port: int) -> bool:
     with socket.socket() as s:
@@ -29,7 +31,7 @@ def test_excluded_store_host_keeps_store_until_the_job_ends(jobs, tmp_path):
     wait_for(lambda: port_open(port), what="node0 hosting the rendezvous store")
     other = jobs("run", *common, "--node-name", "node1", *script, name="node1")
     assert other.wait() == 0, other.output()
-    assert host.wait() == 4, host.output()
+    assert host.wait() == EXIT_EXCLUDED, host.output()
     assert "The node is a straggler and exits." in host.output()
     [excluded] = events(run, "node_excluded")
     assert excluded.node == "node0"

@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import signal
 
+# Kubernetes convention (PyTorchJob/JobSet ``restartPolicy: ExitCode``): 1-127 are permanent (a
+# retry would fail the same way), 128-255 retryable (replace the pod, reschedule the job). Signal
+# deaths are 128 + signal number (129-192); trainguard's own retryable codes sit above them.
 EXIT_OK = 0
-EXIT_FAILED = 1  # the job failed (or a check found a fault)
-EXIT_USAGE = 2  # bad input: one line on stderr, nothing started
-EXIT_EXCLUDED = 4  # this node left the job (faulty or straggler); an elastic job goes on without it
+EXIT_FAILED = 1  # the job failed: user code, or restarts exhausted (permanent)
+EXIT_USAGE = 2  # bad input: one line on stderr, nothing started (permanent)
+EXIT_EXCLUDED = 200  # this node left the job (faulty or straggler); an elastic job goes on without it
+EXIT_NODE_FAULT = 201  # the job stopped because too few healthy nodes are left (retry elsewhere)
+RETRYABLE_MIN = 128  # 128 + SIGTERM = 143: preempted / terminated, retryable as well
+
+
+def retryable(code: int) -> bool:
+    """Whether a scheduler should run the job (or replace the pod) again after this exit code."""
+    return RETRYABLE_MIN <= code <= 255
+
+
+def signal_exit(signum: int) -> int:
+    """The exit code of a launcher stopped by a signal (shells' 128 + n): retryable."""
+    return RETRYABLE_MIN + int(signum)
 
 
 def signal_name(exitcode: object, given: object = None) -> str | None:

@@ -26,12 +26,14 @@ from torch.distributed.run import config_from_args, get_use_env, parse_min_max_n
 from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
 from trainguard.events.store import node_db_path
-from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
 from trainguard.launch import console, hold, keeper, logs, plugins, runlock
 from trainguard.launch.agent import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
-from trainguard.policy import PolicySettings
+from trainguard.policy import Decision, PolicySettings
+from trainguard.schedulers import adapter as scheduler
+from trainguard.schedulers import slurm
 from trainguard.stores import JobKey, address_toward, bound_store, is_loopback
 
 log = logging.getLogger("trainguard")
@@ -158,7 +160,8 @@ def _install_signal_handlers() -> None:
     # From the first moment (rendezvous included) a SIGTERM/SIGINT becomes an exception that
     # unwinds through our cleanup, instead of killing the agent and orphaning its workers. torch
     # elastic's agent catches the same SignalException to stop its workers.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    # SIGUSR1: Slurm's warning before the time limit or preemption (sbatch --signal=USR1@N).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(sig, _raise_signal)
 
 
@@ -191,7 +194,19 @@ def _keep_rendezvous_store(agent: TrainguardAgent, params: RendezvousParameters,
     bus.emit("store_keeper_done", f"stopped serving the rendezvous store: {why}", evidence={"port": port})
 
 
+def _nodes_left(agent: TrainguardAgent | None, d: Decision) -> tuple[int | None, int | None]:
+    """(nodes that go on, the job's minimum) after this node's exclusion, for --requeue."""
+    nnodes = d.evidence.get("nnodes")
+    if not isinstance(nnodes, int) and agent is not None and agent.ctx is not None:
+        nnodes = agent.ctx.nnodes
+    if not isinstance(nnodes, int) or agent is None:
+        return None, None
+    leaving = len(d.evidence.get("faulty") or {}) or 1
+    return nnodes - leaving, agent.policy_settings.min_nodes(nnodes)
+
+
 def launch(args: argparse.Namespace) -> int:
+    slurm_job = scheduler.autodetect(args)  # before the run dir: it is keyed by the job id
     try:
         # Every monitor's settings are read first: one that cannot start stops the launch here,
         # before a run dir, a process or a port exists.
@@ -202,7 +217,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _launch(args, run_dir, node, monitors, store)
+        return _launch(args, run_dir, node, monitors, store, slurm_job)
     finally:
         lock.release()  # last: the run dir is this job's until everything above is done
 
@@ -223,8 +238,10 @@ def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.Ru
     return run_dir, lock, store
 
 
-def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore) -> int:
+def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore,
+            slurm_job: slurm.SlurmJob | None) -> int:
     _setup_logging(run_dir, node)
+    scheduler.describe(slurm_job, args)
     _install_signal_handlers()
     user_rdzv_id = args.rdzv_id
     single = _standalone(args)
@@ -250,6 +267,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
     bus = EventBus(store, node=node)
     notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
     bus.subscribe(notifier)
+    sched = scheduler.Scheduler.from_options(args, run_dir, bus.emit, slurm_job)
     pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), enabled=args.prestart_workers == "on")
 
     # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
@@ -268,6 +286,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
     agent: TrainguardAgent | None = None
     shutdown_rdzv = True
     code = EXIT_FAILED
+    verdict = "the job failed"
     try:
         master_addr, master_port = _static_master(rdzv_parameters)
         spec = WorkerSpec(
@@ -304,9 +323,12 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         result = agent.run()
         if result is not None and result.state == WorkerState.SUCCEEDED:
             bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.restarts_this_run + 1})
-            code = EXIT_OK
+            code, verdict = EXIT_OK, "the job succeeded"
         else:
             reason = agent.stop_decision.reason if agent.stop_decision else agent.restart_reason
+            verdict = reason
+            if agent.stop_decision is not None and agent.stop_decision.evidence.get("faulty"):
+                code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
             bus.emit(
                 "job_failed",
                 f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {config.max_restarts})"),
@@ -323,18 +345,26 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         d = exc.decision
         bus.emit("node_excluded", d.exit_message or d.reason, severity=Severity.ERROR, rank=d.rank, evidence={"reason": d.reason, "source": d.source, **d.evidence})
         print(d.exit_message or d.reason, flush=True)
-        code = EXIT_EXCLUDED
+        code, verdict = EXIT_EXCLUDED, f"{d.exit_message} {d.reason}".strip()
+        nodes_left, min_nodes = _nodes_left(agent, d)
+        sched.on_excluded(node, d.reason, nodes_left, min_nodes)
         if agent is not None:
             _keep_rendezvous_store(agent, rdzv_parameters, bus)
     except NodesUnreachable as exc:
+        verdict = str(exc)
         bus.emit("job_failed", f"job failed: {exc}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
         print(f"trainguard run: error: {exc}", file=sys.stderr)
     except JobStopped as exc:
+        verdict = exc.decision.reason
+        if exc.decision.evidence.get("faulty"):
+            code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:
         shutdown_rdzv = False
+        if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
+            sched.on_preempted(exc.sigval, node)
         bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
-        code = 128 + int(exc.sigval)
+        code, verdict = signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)"
     except Exception as exc:
         log.exception("agent failed")
         bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
@@ -346,11 +376,16 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
                 pass
         # After the rendezvous is closed (the other nodes are not kept waiting), before the
         # monitors close (the metrics endpoint and status stay up while held).
-        if code in (EXIT_FAILED, EXIT_EXCLUDED) and args.hold_on_failure:
+        if code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
             hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if code == EXIT_EXCLUDED else "failed")
+        # Already stopping: a second signal (Slurm's SIGTERM after SIGUSR1, a requeue by another
+        # node) must not cut short persisting the snapshots and stopping the workers.
+        for sig in scheduler.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         if agent is not None:
             agent.close()
         pool.close()
+        sched.finish(code, verdict)  # after close: the snapshots are on disk before a requeue
         del rdzv_server
         notifier.close()
         store.close()

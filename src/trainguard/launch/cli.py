@@ -16,6 +16,7 @@ from torch.distributed.run import get_args_parser
 from trainguard.events import Severity
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.launch import plugins
+from trainguard.schedulers import adapter as scheduler
 
 
 def _one_line_error(parser: argparse.ArgumentParser):
@@ -70,6 +71,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.description = "Launch a guarded distributed job. Accepts every torchrun flag."
     add_trainguard_arguments(parser)
     plugins.add_run_arguments(parser)
+    scheduler.add_run_arguments(parser)
     parser.error = _one_line_error(parser)  # type: ignore[method-assign]
     return parser
 
