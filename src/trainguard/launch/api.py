@@ -159,7 +159,9 @@ def launch(args: argparse.Namespace) -> int:
     bus = EventBus(store, node=node)
     notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
     bus.subscribe(notifier)
-    pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), enabled=args.prestart_workers == "on")
+    # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
+    prestart = "off" if args.no_python else args.prestart_workers
+    pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=prestart)
 
     # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
     script_args = list(args.training_script_args)
