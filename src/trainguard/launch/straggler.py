@@ -2,8 +2,11 @@
 
 The profiling monitor (launch/profiling.py) sums each rank's spans per step and hands every
 finished window of this node to ``add_window`` (from its drain thread). On the agent's thread,
-``poll`` publishes this node's complete windows to the rendezvous store, merges the windows every
-node has published and runs the pure detector (detect.straggler). A straggler on this node is
+``poll`` publishes this node's complete windows to the rendezvous store. One agent, the leader
+(node rank 0), merges the windows every node has published, runs the pure detector
+(detect.straggler) and publishes its verdicts; the other agents read that one small key. (When
+every agent merged every node's windows, store traffic grew with the square of the nodes: 104 MB
+and ~7 s of store time per window at 2,048 ranks, bench/scale.py.) A straggler on this node is
 recorded as ``straggler_detected``; the first one of an attempt goes to the policy as
 ``StragglerEvidence`` (its node leaves only with ``--exclude-straggler``, see
 ``policy.decide_on_straggler``).
@@ -15,6 +18,7 @@ import argparse
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 from trainguard.detect import straggler as S
@@ -27,6 +31,8 @@ log = logging.getLogger(__name__)
 KEEP_WINDOWS = 16  # this node's windows kept while waiting for other nodes
 HISTORY_WINDOWS = 256  # merged windows kept for the detector (it needs >= 1 s of them)
 STORE_PREFIX = "trainguard/straggler"
+LEADER = 0  # node rank that merges and judges
+FOLLOW_EVERY_S = 0.5  # how often a waiting follower reads the leader's verdicts
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -63,6 +69,8 @@ class _Exchange:
     analysed: int = -1  # newest merged window the detector has seen
     reported: set[tuple[int, str]] = field(default_factory=set)
     handed_over: bool = False  # the attempt's straggler evidence went to the policy
+    verdicts: dict[tuple[int, str], S.Verdict] = field(default_factory=dict)  # leader: all so far
+    followed_at: float = 0.0  # follower: when it last read the leader's verdicts
 
 
 class StragglerMonitor(Monitor):
@@ -101,8 +109,11 @@ class StragglerMonitor(Monitor):
         # A c10d rendezvous store is scoped to the round (every restart is a new round), and agents
         # that joined at different times count attempts differently: no attempt in the key there.
         # The static rendezvous reuses one store for every attempt (all agents restart together).
-        scope = f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
-        return f"{STORE_PREFIX}/{scope}w{window}/n{node_rank}"
+        return f"{STORE_PREFIX}/{self._scope(ctx)}w{window}/n{node_rank}"
+
+    @staticmethod
+    def _scope(ctx: MonitorContext) -> str:
+        return f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
 
     def _exchange_and_detect(self, ctx: MonitorContext) -> StragglerEvidence | None:
         ex = self._exchange
@@ -116,7 +127,10 @@ class StragglerMonitor(Monitor):
                 continue
             ctx.store.set(self._key(ctx, w, ctx.node_rank), json.dumps([r.to_dict() for r in ranks]))
             ex.published.append(w)
-        if ctx.store is not None and ctx.nnodes > 1:
+        shared = ctx.store is not None and ctx.nnodes > 1
+        if shared and ctx.node_rank != LEADER:
+            return self._follow(ctx, ex)
+        if shared:
             self._collect(ctx, ex)
         for old in sorted(ex.merged)[:-HISTORY_WINDOWS]:
             del ex.merged[old]
@@ -127,7 +141,37 @@ class StragglerMonitor(Monitor):
         while last in ex.merged:  # the consecutive windows ending at the newest
             history.append(ex.merged[last])
             last -= 1
-        return self._report(ctx, S.detect(history[::-1], self.cfg))
+        verdicts = S.detect(history[::-1], self.cfg)
+        if shared:
+            self._publish_verdicts(ctx, ex, verdicts)
+        return self._report(ctx, verdicts)
+
+    def _verdicts_key(self, ctx: MonitorContext) -> str:
+        return f"{STORE_PREFIX}/{self._scope(ctx)}verdicts"
+
+    def _publish_verdicts(self, ctx: MonitorContext, ex: _Exchange, verdicts: list[S.Verdict]) -> None:
+        """Every straggler the leader found this attempt (first verdict of each), and the newest
+        window it judged: a follower that reads late still sees a straggler that has recovered."""
+        assert ctx.store is not None
+        for v in verdicts:
+            ex.verdicts.setdefault((v.rank, v.kind), v)
+        blob = {"window": ex.analysed, "verdicts": [v.to_dict() for v in ex.verdicts.values()]}
+        ctx.store.set(self._verdicts_key(ctx), json.dumps(blob))
+
+    def _follow(self, ctx: MonitorContext, ex: _Exchange) -> StragglerEvidence | None:
+        """Not the leader: this node's stragglers, from the leader's verdicts (one key)."""
+        assert ctx.store is not None
+        ex.published = ex.published[-KEEP_WINDOWS:]
+        now = time.monotonic()
+        if not ex.published or now - ex.followed_at < FOLLOW_EVERY_S:
+            return None  # nothing of ours the leader has not judged yet, or read a moment ago
+        ex.followed_at = now
+        key = self._verdicts_key(ctx)
+        if not ctx.store.check([key]):
+            return None
+        blob = json.loads(ctx.store.get(key))
+        ex.published = [w for w in ex.published if w > int(blob["window"])]
+        return self._report(ctx, [S.Verdict(**d) for d in blob["verdicts"]])
 
     def _collect(self, ctx: MonitorContext, ex: _Exchange) -> None:
         """Merge the published windows that every node has published (a few store round trips)."""
