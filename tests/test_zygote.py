@@ -13,6 +13,7 @@ import psutil
 import pytest
 from tgtest import EXAMPLE, alive, events, processes_of, rank_log, wait_event, wait_for, wait_log
 
+from trainguard.launch import zygote as zygote_mod
 from trainguard.launch.pool import WorkerPool
 from trainguard.launch.zygote import Zygote
 
@@ -128,3 +129,22 @@ def test_back_to_back_kills_recover_from_forked_workers_and_agent_kill_leaves_no
     job.proc.wait(timeout=60)
     wait_for(lambda: not alive(procs), 60, "zygote, spares and workers gone with the agent")
 
+
+
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["--standalone", "train.py"], None),
+        (["--prestart-workers", "off", "train.py"], "off"),
+        (["--prestart_workers=spawn", "train.py"], "spawn"),
+        (["--prestart-workers"], None),  # no value: the parser reports it
+    ],
+)
+def test_early_start_reads_the_prestart_mode_from_raw_arguments(argv, want):
+    assert zygote_mod._prestart_mode(argv) == want
+
+
+def test_no_early_zygote_when_not_wanted():
+    for argv in (["--no-python", "x"], ["--prestart-workers", "spawn", "t.py"], ["-h"]):
+        zygote_mod.start_early(argv)
+        assert zygote_mod.take_early(sys.executable) is None

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainguard.launch.logs import RankLog, start_pumps
-from trainguard.launch.zygote import Zygote, ZygoteChild, ZygoteError
+from trainguard.launch.zygote import Zygote, ZygoteChild, ZygoteError, take_early
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,14 @@ class WorkerPool:
         self._closed = False
         self._thread = threading.Thread(target=self._spawner, name="trainguard-prestart", daemon=True)
         self._thread.start()
+        early = take_early(python)
         if mode == "on" and self.size:
-            self._jobs.put(self._start_zygote)
+            if early is not None:
+                self.zygote = early  # started before the agent's imports (cold start)
+            else:
+                self._jobs.put(self._start_zygote)
+        elif early is not None:
+            early.close()
         if self.size:
             self._jobs.put(self._refill)
 

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import IO
@@ -83,6 +84,7 @@ class Zygote:
     """Starts the zygote process and asks it for children. Thread-safe."""
 
     def __init__(self, python: str, env: dict[str, str] | None = None) -> None:
+        self.python = python
         agent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = agent_end
         try:
@@ -236,3 +238,47 @@ class Zygote:
         for t in self._pumps:
             t.join(timeout=2)
         self.output.close()
+
+
+# ---- started before the agent's own imports ----------------------------------------------------
+_early: Zygote | None = None
+
+
+def _prestart_mode(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        for name in ("--prestart-workers", "--prestart_workers"):
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def start_early(argv: list[str]) -> None:
+    """Start the zygote as the first thing `trainguard run` does, from its raw arguments: the
+    agent's own imports (torch elastic's launcher, trainguard's monitors) take seconds, and the
+    zygote's import of torch then runs beside them instead of after them (cold start). A rough
+    reading of the arguments is enough: the pool takes this zygote only when the parsed arguments
+    ask for one (``take_early``) and closes it otherwise. Called from the main thread, which lives
+    as long as the agent (the zygote's death signal follows the thread that started it)."""
+    global _early
+    if sys.platform != "linux" or _early is not None:
+        return
+    if any(a in ("-h", "--help", "--no-python", "--no_python") for a in argv):
+        return
+    if _prestart_mode(argv) not in (None, "on"):
+        return
+    try:
+        _early = Zygote(os.getenv("PYTHON_EXEC", sys.executable), dict(os.environ))
+    except OSError as exc:
+        log.debug("early zygote not started: %s", exc)
+
+
+def take_early(python: str) -> Zygote | None:
+    """The zygote ``start_early`` started, if it runs ``python`` (the caller owns it now)."""
+    global _early
+    zygote, _early = _early, None
+    if zygote is not None and zygote.python != python:
+        zygote.close()
+        return None
+    return zygote
