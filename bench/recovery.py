@@ -69,8 +69,19 @@ class Output:
 
 
 def worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
-    """torchrun's live worker process of `rank` (its environment's RANK)."""
-    for p in launcher.children(recursive=True):
+    """torchrun's live worker process of `rank` (its environment's RANK): a direct child of the
+    agent (a worker's own children inherit RANK too)."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            return _worker_pid(launcher, rank, exclude)
+        except LookupError:
+            time.sleep(0.05)  # between a stop and the restart
+    raise LookupError(f"no live worker of rank {rank}")
+
+
+def _worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
+    for p in launcher.children(recursive=False):
         try:
             if p.pid in exclude:
                 continue
@@ -186,6 +197,7 @@ def measure_recovery(name: str, kills: int, workdir: Path, prestart: str) -> lis
             dead.add(pid)
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
+            pos, _ = out.wait(lambda ln: "resume step=" in ln, pos + 1)  # the restarted job, not a step in flight
             pos, m = out.wait(lambda ln, t=t_kill: (mm := STEP.search(ln)) and float(mm.group(3)) > t and mm, pos + 1)
             recovered = float(m.group(3))  # type: ignore[union-attr]
             times.append((delay, recovered - t_kill))

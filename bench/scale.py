@@ -63,6 +63,12 @@ class CountingStore:
         self.bytes += len(key) + len(v)
         return v
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        vs = self.store.multi_get(keys)
+        self.ops += 1
+        self.bytes += sum(map(len, keys)) + sum(map(len, vs))
+        return vs
+
     def check(self, keys: list[str]) -> bool:
         self.ops += 1
         self.bytes += sum(map(len, keys))
@@ -101,7 +107,8 @@ def leader_design(client, ranks: int, rounds: int) -> dict:
     slow = ranks // 2 + 3
     cfg = S.StragglerConfig()
     found: set[int] = set()
-    lead_s, follow_s, ops, nbytes = [], [], [], []
+    lead_s, lead_cpu, follow_s, ops, nbytes = [], [], [], [], []
+    cpu = 0.0
     for w in range(rounds):
         for n, (mon, _) in enumerate(group):
             for rw in window_of(n, w, slow, cfg.window_steps):
@@ -110,21 +117,24 @@ def leader_design(client, ranks: int, rounds: int) -> dict:
         times = []
         # followers publish, the leader merges and judges, followers read its verdicts
         for mon, ctx in [*group[1:], group[0], *group[1:]]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             got = mon.poll(ctx)
             times.append((ctx.node_rank, time.perf_counter() - t0))
+            if ctx.node_rank == 0:
+                cpu = time.thread_time() - c0
             if got is not None:
                 found.add(got.rank)
         ops.append(store.ops - ops0)
         nbytes.append(store.bytes - bytes0)
         lead_s.append(sum(t for n, t in times if n == 0))
+        lead_cpu.append(cpu)
         per_follower: dict[int, float] = {}
         for n, t in times:
             if n:
                 per_follower[n] = per_follower.get(n, 0.0) + t
         follow_s.append(statistics.median(per_follower.values()) if per_follower else 0.0)
     # the first rounds fill the detector's history: report the last round
-    return {"ops": ops[-1], "bytes": nbytes[-1], "leader_s": lead_s[-1], "follower_s": follow_s[-1],
+    return {"ops": ops[-1], "bytes": nbytes[-1], "leader_s": lead_s[-1], "leader_cpu": lead_cpu[-1], "follower_s": follow_s[-1],
             "found": sorted(found), "slow": slow}  # fmt: skip
 
 
@@ -184,12 +194,12 @@ def main() -> None:
         rows.append((r, leader_design(client, r, args.rounds), all_to_all(client, r, args.sample), hang_side(r)))
     mb = 1e6
     print(f"one round = one straggler window; {RANKS_PER_NODE} ranks per simulated agent; one TCPStore; one core")
-    print(f"{'ranks':>6} {'agents':>6} | {'leader: ops':>11} {'MB':>6} {'leader s':>8} {'agent s':>8} {'named':>6} | "
+    print(f"{'ranks':>6} {'agents':>6} | {'leader: ops':>11} {'MB':>6} {'leader s':>8} {'cpu s':>6} {'agent s':>8} {'named':>6} | "
           f"{'all-to-all: ops':>15} {'MB':>8} {'agent s':>8} {'x agents':>9} | {'culprit s':>9} {'views MB':>9}")  # fmt: skip
     for r, lead, a2a, hang in rows:
         named = "ok" if lead["found"] == [lead["slow"]] else f"got {lead['found']}"
         print(
-            f"{r:>6} {r // RANKS_PER_NODE:>6} | {lead['ops']:>11,} {lead['bytes'] / mb:>6.2f} {lead['leader_s']:>8.3f} "
+            f"{r:>6} {r // RANKS_PER_NODE:>6} | {lead['ops']:>11,} {lead['bytes'] / mb:>6.2f} {lead['leader_s']:>8.3f} {lead['leader_cpu']:>6.3f} "
             f"{lead['follower_s']:>8.4f} {named:>6} | {a2a['ops']:>15,} {a2a['bytes'] / mb:>8.1f} {a2a['agent_s']:>8.3f} "
             f"{a2a['agent_s'] * r / RANKS_PER_NODE:>9.1f} | {hang['culprit_s']:>9.3f} {hang['views_bytes_all_agents'] / mb:>9.1f}"
             + ("" if hang["ok"] else " culprit MISSED")
@@ -197,7 +207,8 @@ def main() -> None:
     (r0, l0, a0, _), (r1, l1, a1, _) = rows[0], rows[-1]
     print(f"\nranks x{r1 / r0:.0f}: leader-design store bytes x{l1['bytes'] / l0['bytes']:.0f}, ops x{l1['ops'] / l0['ops']:.0f}; "
           f"all-to-all bytes x{a1['bytes'] / a0['bytes']:.0f}; leader's time per round x{l1['leader_s'] / l0['leader_s']:.0f}")  # fmt: skip
-    print("leader s: the leader agent's poll (merge + detect + publish); agent s: one other agent's polls;")
+    print("leader s: the leader agent's poll (merge + detect + publish), wall; cpu s: its thread's CPU time;")
+    print("agent s: one other agent's polls (wall);")
     print("x agents: one all-to-all agent's time x agents = the store's and CPUs' work per round in that design;")
     print("views MB: hang views read when every agent gathers every node's views (once per suspected hang).")
     del client, server

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainguard.detect import straggler as S
 from trainguard.evidence import StragglerEvidence
@@ -71,6 +72,14 @@ class _Exchange:
     handed_over: bool = False  # the attempt's straggler evidence went to the policy
     verdicts: dict[tuple[int, str], S.Verdict] = field(default_factory=dict)  # leader: all so far
     followed_at: float = 0.0  # follower: when it last read the leader's verdicts
+
+
+def _get_all(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of keys that exist: one round trip where the store can (multi_get), not one per key."""
+    try:
+        return list(store.multi_get(keys))
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return [store.get(k) for k in keys]
 
 
 class StragglerMonitor(Monitor):
@@ -181,7 +190,7 @@ class StragglerMonitor(Monitor):
         for w in ex.published[:4]:
             keys = [self._key(ctx, w, n) for n in range(ctx.nnodes)]
             if ctx.store.check(keys):
-                ex.merged[w] = [S.RankWindow.from_dict(d) for k in keys for d in json.loads(ctx.store.get(k))]
+                ex.merged[w] = [S.RankWindow.from_dict(d) for blob in _get_all(ctx.store, keys) for d in json.loads(blob)]
                 complete.append(w)
         if complete:  # an older window still missing somewhere was lost there (a rank lost records)
             ex.published = [w for w in ex.published if w > max(complete)]
