@@ -45,7 +45,7 @@ from trainguard.detect.nodecheck import Verdict, recheck_nodes
 from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
 from trainguard.launch.failures import lost_peer
 from trainguard.launch.monitor import Monitor, MonitorContext
-from trainguard.launch.nodecheck_reuse import NodeCheckMemory, fingerprint
+from trainguard.launch.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
 from trainguard.options import given, non_negative, positive
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,15 @@ def _int_or_none(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None  # torchrun also accepts "auto", "gpu", "cpu"
+
+
+def _recheck_note(reasons: dict[int, str], taking_part: list[int], nnodes: int) -> str:
+    """Why the check ran, unless it was the first check of every node."""
+    why = {n: w for n, w in reasons.items() if w and w != NEVER_CHECKED}
+    if not why:
+        return ""
+    said = "; ".join(f"node {n}: {w}" for n, w in sorted(why.items()))
+    return f", nodes {taking_part} of {nnodes} checked — {said}"
 
 
 def _say(line: str) -> None:
@@ -291,7 +300,7 @@ class ChecksMonitor(Monitor):
             _say(f"node check: {verdict.label(n)} is a straggler: {why}")
         ctx.events.emit(
             "nodecheck_result",
-            f"node check ({elapsed:.1f} s): {summary}",
+            f"node check ({elapsed:.1f} s{_recheck_note(reasons, taking_part, ctx.nnodes)}): {summary}",
             severity="warning" if bad else "info",
             evidence={
                 "verdict": verdict.to_dict(),
