@@ -1,11 +1,18 @@
-"""Recovery time after a worker SIGKILL: trainguard vs torchrun, measured in the same run.
+"""Recovery after a worker SIGKILL, and cold start: trainguard vs torchrun, measured in the same run.
 
-For each of N kills: SIGKILL rank 1 while the job trains, then time from the kill to the first
-step completed after the restart (the worker's own `t=` stamp). torchrun runs with the workaround
-it needs to restart a gloo job at all (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it the
-restarted ranks read the dead rank's stale address from the reused store and hang).
+Recovery: SIGKILL rank 1 while the job trains, then time from the kill to the first step completed
+after the restart (the worker's own `t=` stamp). Kills follow a schedule of delays after the
+previous recovery (its first step): settled kills (5 s after), and back-to-back ones 0.5 s and 2 s
+after — failures cluster, and a kill soon after a restart is the one that finds spares unready.
 
-    python bench/recovery.py --kills 5
+Cold start (--cold N): launch -> first completed step, N launches of each tool, alternating.
+
+torchrun runs with the workaround it needs to restart a gloo job at all
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it the restarted ranks read the dead rank's stale
+address from the reused store and hang).
+
+    python bench/recovery.py --kills 10 --cold 5
+    python bench/recovery.py --kills 10 --tools trainguard --prestart spawn   # spawned spares instead of the zygote
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 STEP = re.compile(r"step=(\d+) rank=(\d+) t=([\d.]+)")
+SCHEDULE = (5.0, 0.5, 5.0, 2.0)  # seconds after the previous recovery, cycled
+TOOLS = ("torchrun", "trainguard")
 
 
 class Output:
@@ -60,8 +69,19 @@ class Output:
 
 
 def worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
-    """The live process whose output says it is `rank` (env RANK, or trainguard's pid events)."""
-    for p in launcher.children(recursive=True):
+    """torchrun's live worker process of `rank` (its environment's RANK): a direct child of the
+    agent (a worker's own children inherit RANK too)."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            return _worker_pid(launcher, rank, exclude)
+        except LookupError:
+            time.sleep(0.05)  # between a stop and the restart
+    raise LookupError(f"no live worker of rank {rank}")
+
+
+def _worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
+    for p in launcher.children(recursive=False):
         try:
             if p.pid in exclude:
                 continue
@@ -73,68 +93,168 @@ def worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
     raise LookupError
 
 
-def trainguard_pid(run_dir: Path, rank: int, attempt: int) -> int:
+def trainguard_pids(run_dir: Path, attempt: int) -> dict[str, int]:
     from trainguard.events.store import read_all
 
     for e in read_all(run_dir, kinds=["job_started"]):
         if e.evidence.get("attempt") == attempt:
-            return int(e.evidence["pids"][str(rank)])
+            return {r: int(p) for r, p in e.evidence["pids"].items()}
     raise LookupError
 
 
-def measure(name: str, kills: int, workdir: Path) -> list[float]:
-    steps = 100000
+def command(name: str, workdir: Path, steps: int, restarts: int, prestart: str) -> tuple[list[str], dict[str, str], Path]:
     job = [str(EXAMPLE), "--steps", str(steps), "--step-time-ms", "50", "--ckpt-every", "5",
-           "--ckpt-dir", str(workdir / f"ckpt-{name}")]
+           "--ckpt-dir", str(workdir / f"ckpt-{name}")]  # fmt: skip
     env = dict(os.environ)
     run_dir = workdir / f"run-{name}"
     if name == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", str(kills), *job]
+               "--max-restarts", str(restarts), *job]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", str(kills), "--run-dir", str(run_dir), *job]
+               "--max-restarts", str(restarts), "--run-dir", str(run_dir), "--prestart-workers", prestart, *job]  # fmt: skip
+    return cmd, env, run_dir
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# ---- memory ------------------------------------------------------------------------------------
+def _rollup(pid: int) -> dict[str, int]:
+    """kB values of /proc/PID/smaps_rollup (Rss, Pss, Private_Dirty ...)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[-1] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1])
+    except OSError:
+        pass
+    return out
+
+
+def memory_report(launcher: psutil.Process, workers: set[int]) -> str:
+    """RSS/PSS of the zygote, the spares (forked or spawned) and the workers, MB."""
+    rows: dict[str, list[dict[str, int]]] = {"zygote": [], "spares": [], "workers": []}
+    for p in launcher.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if p.pid in workers:
+            rows["workers"].append(_rollup(p.pid))
+        elif "--zygote" in cmd and p.ppid() == launcher.pid:
+            rows["zygote"].append(_rollup(p.pid))
+        elif "worker_main" in cmd:
+            rows["spares"].append(_rollup(p.pid))
+    parts = []
+    for what, rs in rows.items():
+        if rs:
+            rss = sum(r.get("Rss", 0) for r in rs) / 1024
+            pss = sum(r.get("Pss", 0) for r in rs) / 1024
+            parts.append(f"{what} x{len(rs)}: RSS {rss:.0f} MB, PSS {pss:.0f} MB")
+    return "; ".join(parts)
+
+
+# ---- recovery ----------------------------------------------------------------------------------
+def measure_recovery(name: str, kills: int, workdir: Path, prestart: str) -> list[tuple[float, float]]:
+    """(delay after the previous recovery, kill -> first step) per kill."""
+    cmd, env, run_dir = command(name, workdir, 1_000_000, kills, prestart)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     out = Output(proc)
     launcher = psutil.Process(proc.pid)
-    times = []
+    times: list[tuple[float, float]] = []
     try:
-        pos, dead = 0, set()
-        pos, _ = out.wait(lambda ln: "resume step=" in ln, pos)
+        dead: set[int] = set()
+        pos, m = out.wait(lambda ln: STEP.search(ln), 0)
+        recovered = time.time()
         for k in range(kills):
-            # let the (re)started job train a little first
-            for _ in range(8):
-                pos, _ = out.wait(lambda ln: STEP.search(ln), pos + 1)
-            pid = trainguard_pid(run_dir, 1, k) if name == "trainguard" else worker_pid(launcher, 1, dead)
+            delay = SCHEDULE[k % len(SCHEDULE)]
+            if name == "trainguard":
+                pids = trainguard_pids(run_dir, k)
+                pid = pids["1"]
+                if k == 0:
+                    time.sleep(3.0)  # spares settle; the memory they take is what a job pays
+                    print(f"  {name:<10} memory: {memory_report(launcher, set(pids.values()))}", flush=True)
+            else:
+                pid = worker_pid(launcher, 1, dead)
+            time.sleep(max(0.0, recovered + delay - time.time()))
             dead.add(pid)
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
-            pos, _ = out.wait(lambda ln: "resume step=" in ln, pos + 1)
+            pos, _ = out.wait(lambda ln: "resume step=" in ln, pos + 1)  # the restarted job, not a step in flight
             pos, m = out.wait(lambda ln, t=t_kill: (mm := STEP.search(ln)) and float(mm.group(3)) > t and mm, pos + 1)
-            times.append(float(m.group(3)) - t_kill)  # type: ignore[union-attr]
-            print(f"  {name:<10} kill {k + 1}: first step {times[-1]:.2f} s after SIGKILL", flush=True)
+            recovered = float(m.group(3))  # type: ignore[union-attr]
+            times.append((delay, recovered - t_kill))
+            print(f"  {name:<10} kill {k + 1:>2} ({delay:>3.1f} s after the previous recovery): "
+                  f"first step {times[-1][1]:.2f} s after SIGKILL", flush=True)  # fmt: skip
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
     return times
+
+
+# ---- cold start --------------------------------------------------------------------------------
+def measure_cold(name: str, workdir: Path, prestart: str, i: int) -> float:
+    d = workdir / f"cold-{name}-{i}"
+    d.mkdir()
+    cmd, env, _ = command(name, d, 3, 0, prestart)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    out = Output(proc)
+    try:
+        _, m = out.wait(lambda ln: STEP.search(ln), 0)
+        return float(m.group(3)) - t0  # type: ignore[union-attr]
+    finally:
+        stop(proc)
+
+
+def summary(label: str, results: dict[str, list[float]]) -> None:
+    print(f"\n{label}")
+    for k, v in results.items():
+        print(f"  {k:<10} median {statistics.median(v):6.2f} s   max {max(v):6.2f} s   (all: {', '.join(f'{x:.2f}' for x in v)})")
+    if len(results) == 2:
+        tg, tr = statistics.median(results["trainguard"]), statistics.median(results["torchrun"])
+        print(f"  ratio trainguard/torchrun: median {tg / tr:.2f}, max {max(results['trainguard']) / tr:.2f} of torchrun's median")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--kills", type=int, default=10, help="kills per tool (0: no recovery measurement)")
+    ap.add_argument("--cold", type=int, default=0, help="cold starts per tool (alternating)")
+    ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated: torchrun,trainguard")
+    ap.add_argument("--prestart", default="on", choices=["on", "spawn", "off"], help="trainguard's --prestart-workers")
     args = ap.parse_args()
+    tools = [t for t in args.tools.split(",") if t]
+    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     with tempfile.TemporaryDirectory(prefix="tg-bench-recovery-") as d:
-        results = {name: measure(name, args.kills, Path(d)) for name in ("torchrun", "trainguard")}
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\nSIGKILL of rank 1 -> first completed step after restart, median of {args.kills} kills (2 workers, gloo, CPU)")
-    for k, v in med.items():
-        print(f"  {k:<10} {v:6.2f} s   (all: {', '.join(f'{x:.2f}' for x in results[k])})")
-    print(f"  ratio trainguard/torchrun: {med['trainguard'] / med['torchrun']:.2f}")
+        cold: dict[str, list[float]] = {t: [] for t in tools}
+        for i in range(args.cold):
+            for t in tools if i % 2 == 0 else tools[::-1]:
+                cold[t].append(measure_cold(t, Path(d), args.prestart, i))
+                print(f"  {t:<10} cold start {i + 1}: first step {cold[t][-1]:.2f} s after launch", flush=True)
+        rec = {t: measure_recovery(t, args.kills, Path(d), args.prestart) for t in tools} if args.kills else {}
+    if rec:
+        summary(f"SIGKILL of rank 1 -> first completed step after restart, {args.kills} kills "
+                f"(delays after the previous recovery {', '.join(f'{s:g}' for s in SCHEDULE)} s, cycled; 2 workers, gloo, CPU)",
+                {t: [x for _, x in v] for t, v in rec.items()})  # fmt: skip
+        for t, v in rec.items():
+            b2b = [x for delay, x in v if delay < 5.0]
+            if b2b:
+                print(f"  {t:<10} back-to-back kills only: median {statistics.median(b2b):.2f} s, max {max(b2b):.2f} s")
+    if args.cold:
+        summary(f"launch -> first completed step, {args.cold} cold starts each", cold)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"trainguard: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_USAGE
+    if name == "run":
+        from trainguard.launch.zygote import start_early
+
+        start_early(rest)  # its import of torch runs beside the agent's own imports
     module = importlib.import_module(COMMANDS[name][0])
     parser = module.make_parser() if hasattr(module, "make_parser") else _Parser(prog=f"trainguard {name}")
     if not hasattr(module, "make_parser"):

@@ -73,10 +73,13 @@ class NodeChecker:
         prefix: str = "trainguard/nodecheck",
         say: Callable[[str], None] | None = None,
         name: str | None = None,
+        nodes: list[int] | None = None,
     ) -> None:
+        """``nodes``: the node ranks that take part (default all ``nnodes``; a partial recheck
+        passes a subset, see ``recheck_nodes``)."""
         self.store = store
         self.me = node_rank
-        self.nodes = list(range(nnodes))
+        self.nodes = sorted(nodes) if nodes is not None else list(range(nnodes))
         self.cfg = cfg or NodeCheckConfig()
         self.prefix = prefix
         self.say = say or (lambda msg: log.info("%s", msg))

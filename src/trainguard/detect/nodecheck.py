@@ -185,6 +185,20 @@ def missing_results(groups: list[Group], results: list[TestResult]) -> list[Test
     ]
 
 
+def recheck_nodes(nodes: list[int], needy: set[int]) -> list[int]:
+    """The nodes that take part when only ``needy`` must be (re)checked (the others have a recent
+    healthy result): the needy ones plus one healthy partner more than there are needy ones, as
+    far as there are any. A collective needs a partner; and when a needy node's pair fails, the
+    second round needs a healthy node outside that pair to tell which of the two is broken (a
+    guard must not blame the partner)."""
+    nodes = sorted(nodes)
+    needy_sorted = [n for n in nodes if n in needy]
+    if not needy_sorted:
+        return []
+    others = [n for n in nodes if n not in needy]
+    return sorted(needy_sorted + others[: len(needy_sorted) + 1])
+
+
 @dataclass
 class Verdict:
     nodes: list[int]
@@ -213,6 +227,18 @@ class Verdict:
             "results": [r.to_dict() for r in self.results],
             "names": {str(k): v for k, v in self.names.items()},
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        return cls(
+            nodes=[int(n) for n in d["nodes"]],
+            faulty={int(k): v for k, v in d.get("faulty", {}).items()},
+            stragglers={int(k): v for k, v in d.get("stragglers", {}).items()},
+            undetermined=d.get("undetermined", ""),
+            times={int(k): v for k, v in d.get("times_s_per_iteration", {}).items()},
+            results=[TestResult.from_dict(r) for r in d.get("results", [])],
+            names={int(k): v for k, v in d.get("names", {}).items()},
+        )
 
 
 def verdict(nodes: list[int], results: list[TestResult], k: float = 3.0, min_ratio: float = 2.0) -> Verdict:

@@ -19,6 +19,7 @@ because its communication is slow (a slow link or NIC on its node, a slow p2p pe
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -190,7 +191,14 @@ def _outliers(ranks: list[RankWindow], kind: str, cfg: StragglerConfig) -> list[
     if len(values) < 2:
         return []
     out = []
+    ordered = sorted(v for _, v in values)
     for i, (r, v) in enumerate(values):
+        # The peers' median without building the peers' list (O(1) on the sorted values): only
+        # a rank that passes the ratio and the floor against it needs the peers' spread, so one
+        # window costs O(n log n), not O(n^2), at thousands of ranks (bench/scale.py).
+        ref = _median_without(ordered, v)
+        if not slower(v, ref, 0.0, k=cfg.mad_k, ratio=cfg.ratio, min_delta=cfg.min_delta_ms):
+            continue
         ref, spread = median_and_spread(pv for j, (_, pv) in enumerate(values) if j != i)
         if len(values) - 1 < 3:
             spread = 0.0  # too few peers for a spread: the ratio and the floor decide
@@ -203,6 +211,17 @@ def _outliers(ranks: list[RankWindow], kind: str, cfg: StragglerConfig) -> list[
                 continue  # it communicates longer because it waits: its own work is shorter
         out.append(Flag(r.rank, r.node, r.window, kind, v, ref))
     return out
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """Median of ``ordered`` (sorted) with one occurrence of ``value`` left out."""
+    i = bisect.bisect_left(ordered, value)
+    m = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 def window_seconds(window: Sequence[RankWindow]) -> float:

@@ -268,7 +268,9 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
     notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
     bus.subscribe(notifier)
     sched = scheduler.Scheduler.from_options(args, run_dir, bus.emit, slurm_job)
-    pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), enabled=args.prestart_workers == "on")
+    # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
+    prestart = "off" if args.no_python else args.prestart_workers
+    pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=prestart)
 
     # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
     script_args = list(args.training_script_args)

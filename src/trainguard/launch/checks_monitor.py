@@ -6,9 +6,11 @@
   they agree on one ``CheckOutcome``; the policy then excludes a failed node ("The node is down.",
   seed scenarios 1-2) and the others re-rendezvous without it, or stop when the job is not elastic
   enough to go on.
-- With ``--node-check``, every round all agents run the paired GEMM + collective benchmark
+- With ``--node-check``, every round the agents run the paired GEMM + collective benchmark
   (``trainguard.checks.nodecheck_run``) and agree on faulty nodes and stragglers the same way
-  (``nodecheck_result``).
+  (``nodecheck_result``) — only the nodes without a recent healthy result, or involved in the
+  failure that caused the round, with as many healthy partners; the rest reuse their result
+  (``launch/nodecheck_reuse.py``, ``--node-check-reuse``).
 - While workers run, a background thread repeats a light hardware check every
   ``--health-check-interval`` seconds (``hardware_fault``); ``poll`` hands a fault to the policy.
 - When workers fail, ``on_workers_failed`` runs the hardware check at once and returns its
@@ -39,8 +41,11 @@ from trainguard.checks.items import (
 )
 from trainguard.checks.nodecheck_cli import add_check_arguments, config_from
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker, get_when_set
+from trainguard.detect.nodecheck import Verdict, recheck_nodes
 from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
+from trainguard.launch.failures import lost_peer
 from trainguard.launch.monitor import Monitor, MonitorContext
+from trainguard.launch.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
 from trainguard.options import given, non_negative, positive
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,7 @@ class ChecksSettings:
     node_check: bool = False
     health_interval_s: float = 300.0  # 0: no periodic hardware check
     wait_s: float = 120.0  # how long agents wait for each other's pre-check results
+    node_check_reuse_s: float = 600.0  # a node's healthy node-check result stands this long (0: never)
     check: CheckConfig = field(default_factory=CheckConfig)
     node: NodeCheckConfig = field(default_factory=NodeCheckConfig)
 
@@ -81,7 +87,10 @@ class ChecksSettings:
             peer_host=endpoint_host(str(endpoint)) if endpoint else None,
             advertise_addr=options.local_addr or None,
         )
-        fields = given(options, {"health_interval_s": "health_check_interval", "wait_s": "check_wait"})
+        fields = given(
+            options,
+            {"health_interval_s": "health_check_interval", "wait_s": "check_wait", "node_check_reuse_s": "node_check_reuse"},
+        )
         if options.precheck is not None:
             fields["precheck"] = options.precheck == "on"
         return cls(node_check=bool(options.node_check), check=check, node=node, **fields)
@@ -130,6 +139,9 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     add_check_arguments(g, prefix="node-check-")
     g.add_argument("--node-check-exclude-straggler", action="store_true",
                    help="exclude a node the node check names a straggler")  # fmt: skip
+    g.add_argument("--node-check-reuse", type=non_negative, default=None, metavar="SECONDS",
+                   help="reuse a node's healthy node-check result this long while the node is unchanged and "
+                   f"not involved in a failure; only the others are rechecked (0: always all, default {d.node_check_reuse_s:g})")  # fmt: skip
     g.add_argument("--health-check-interval", type=non_negative, default=None, metavar="SECONDS",
                    help=f"periodic light hardware check while training (0: off, default {d.health_interval_s:g})")  # fmt: skip
 
@@ -139,6 +151,15 @@ def _int_or_none(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None  # torchrun also accepts "auto", "gpu", "cpu"
+
+
+def _recheck_note(reasons: dict[int, str], taking_part: list[int], nnodes: int) -> str:
+    """Why the check ran, unless it was the first check of every node."""
+    why = {n: w for n, w in reasons.items() if w and w != NEVER_CHECKED}
+    if not why:
+        return ""
+    said = "; ".join(f"node {n}: {w}" for n, w in sorted(why.items()))
+    return f", nodes {taking_part} of {nnodes} checked — {said}"
 
 
 def _say(line: str) -> None:
@@ -168,6 +189,7 @@ class ChecksMonitor(Monitor):
         self._fault: HardwareReport | None = None
         self._fault_reported = False
         self._ctx: MonitorContext | None = None
+        self._memory = NodeCheckMemory(settings.node_check_reuse_s)
 
     # ------------------------------------------------------------------------- before start
 
@@ -241,10 +263,27 @@ class ChecksMonitor(Monitor):
             return None
         cfg = dataclasses.replace(self.settings.node, env={**self.settings.node.env, **self._node_check_env})
         t0 = time.monotonic()
-        checker = NodeChecker(
-            ctx.store, ctx.node_rank, ctx.nnodes, cfg, prefix=NODECHECK_PREFIX, say=_say, name=ctx.node
-        )
-        verdict = checker.run()
+        current = fingerprint(ctx.node, cfg)
+        reasons = self._gather_reasons(ctx, self._memory.reason_to_check(current))
+        needy = {n for n, why in reasons.items() if why}
+        if not needy:
+            return self._reused(ctx, reasons)
+        everyone = list(range(ctx.nnodes))
+        taking_part = everyone if len(needy) == ctx.nnodes else recheck_nodes(everyone, needy)
+        metrics: list[dict[str, Any]] = []
+        if ctx.node_rank in taking_part:
+            checker = NodeChecker(
+                ctx.store, ctx.node_rank, ctx.nnodes, cfg, prefix=NODECHECK_PREFIX, say=_say, name=ctx.node,
+                nodes=taking_part,
+            )  # fmt: skip
+            verdict = checker.run()
+            metrics = checker.metrics
+            if ctx.node_rank == taking_part[0] and len(taking_part) < ctx.nnodes:
+                ctx.store.set(f"{NODECHECK_PREFIX}/verdict", json.dumps(verdict.to_dict()))
+            me_ok = ctx.node_rank not in verdict.faulty and ctx.node_rank not in verdict.stragglers
+            self._memory.record(me_ok and not verdict.undetermined, current)
+        else:
+            verdict = self._wait_verdict(ctx, taking_part, cfg)
         elapsed = time.monotonic() - t0
         bad = bool(verdict.faulty or verdict.undetermined or verdict.stragglers)
         faulty = [verdict.label(n) for n in sorted(verdict.faulty)]
@@ -261,12 +300,14 @@ class ChecksMonitor(Monitor):
             _say(f"node check: {verdict.label(n)} is a straggler: {why}")
         ctx.events.emit(
             "nodecheck_result",
-            f"node check ({elapsed:.1f} s): {summary}",
+            f"node check ({elapsed:.1f} s{_recheck_note(reasons, taking_part, ctx.nnodes)}): {summary}",
             severity="warning" if bad else "info",
             evidence={
                 "verdict": verdict.to_dict(),
                 "node_rank": ctx.node_rank,
-                "measurements": checker.metrics,
+                "measurements": metrics,
+                "checked": taking_part,
+                "why": {str(n): why for n, why in reasons.items() if why},
             },
         )
         return CheckOutcome(
@@ -276,6 +317,36 @@ class ChecksMonitor(Monitor):
             verdict.undetermined,
             details={"times_s_per_iteration": verdict.to_dict()["times_s_per_iteration"]},
         )
+
+    def _gather_reasons(self, ctx: MonitorContext, mine: str) -> dict[int, str]:
+        """Every node's reason to be rechecked ("" = its last result stands); a node that says
+        nothing in time is rechecked."""
+        if ctx.nnodes <= 1:
+            return {ctx.node_rank: mine}
+        ctx.store.set(f"{NODECHECK_PREFIX}/reason/{ctx.node_rank}", json.dumps({"why": mine}))
+        got = self._gather(ctx, f"{NODECHECK_PREFIX}/reason")
+        return {n: (o["why"] if o is not None else "no answer from its agent") for n, o in got.items()}
+
+    def _reused(self, ctx: MonitorContext, reasons: dict[int, str]) -> CheckOutcome:
+        summary = f"all {ctx.nnodes} node(s) have a healthy result from the last {self.settings.node_check_reuse_s:g} s and were not involved in a failure"
+        _say(f"node check reused: {summary}")
+        verdict = Verdict(nodes=list(range(ctx.nnodes)))
+        ctx.events.emit(
+            "nodecheck_result",
+            f"node check reused: {summary}",
+            evidence={"verdict": verdict.to_dict(), "node_rank": ctx.node_rank, "reused": True, "checked": []},
+        )
+        return CheckOutcome("node_check")
+
+    def _wait_verdict(self, ctx: MonitorContext, taking_part: list[int], cfg: NodeCheckConfig) -> Verdict:
+        """The verdict of a recheck this node does not take part in (its first node publishes it)."""
+        _say(f"node check: this node's result stands; waiting for the recheck of nodes {taking_part}")
+        waves = 4  # at most two per round (an odd node), two rounds
+        deadline = time.monotonic() + waves * (cfg.timeout_s + 30.0) + self.settings.wait_s
+        raw = get_when_set(ctx.store, f"{NODECHECK_PREFIX}/verdict", deadline)
+        if raw is None:
+            return Verdict(nodes=taking_part, undetermined=f"no verdict from the recheck of nodes {taking_part}")
+        return Verdict.from_dict(json.loads(raw))
 
     # ------------------------------------------------------------------------ while running
 
@@ -315,9 +386,13 @@ class ChecksMonitor(Monitor):
                 return None
             self._fault_reported = True
             faults = list(self._fault.faults)
+        self._memory.involve("a periodic hardware check found a fault")
         return HardwareFault(faults, ctx.node, ctx.node_rank)
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> HardwareReport | None:
+        own = sorted(r for r, f in failures.items() if not f.collateral and not lost_peer(f))
+        if own:  # its workers failed of their own, not of a lost peer: recheck it before going on
+            self._memory.involve(f"its local rank(s) {own} failed")
         try:
             report = self._hardware_check(self._periodic_config())
         except Exception as exc:
@@ -331,6 +406,8 @@ class ChecksMonitor(Monitor):
             severity="info" if report.healthy else "critical",
             evidence=report.to_dict(),
         )
+        if not report.healthy:
+            self._memory.involve("the hardware check after the failure found a fault")
         return report
 
     def close(self) -> None:

@@ -51,9 +51,10 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--notify-severity", default="error", help="least severity that notifies (default error)")
     g.add_argument(
         "--prestart-workers",
-        choices=["on", "off"],
+        choices=["on", "spawn", "off"],
         default="on",
-        help="keep worker processes with torch imported ready for fast (re)starts (default on)",
+        help="keep spare workers with torch imported ready for fast (re)starts: on = forked from a zygote "
+        "that imported torch once (default); spawn = separate pre-started interpreters; off = none",
     )
     g.add_argument("--worker-stop-timeout", type=int, default=15, help="seconds between SIGTERM and SIGKILL")
     g.add_argument("--exit-barrier-timeout", type=float, default=300, help=argparse.SUPPRESS)

@@ -2,10 +2,13 @@
 
 The profiling monitor (launch/profiling.py) sums each rank's spans per step and hands every
 finished window of this node to ``add_window`` (from its drain thread). On the agent's thread,
-``poll`` publishes this node's complete windows to the rendezvous store, merges the windows every
-node has published and runs the pure detector (detect.straggler). Each incident is recorded once
-for the whole job as ``straggler_detected`` (agreed through the store, every node's windows
-attached); the first straggler of this node in an attempt goes to the policy as
+``poll`` publishes this node's complete windows to the rendezvous store. One agent, the leader
+(node rank 0), merges the windows every node has published, runs the pure detector
+(detect.straggler) and publishes its verdicts; the other agents read that one small key. (When
+every agent merged every node's windows, store traffic grew with the square of the nodes: 104 MB
+and ~7 s of store time per window at 2,048 ranks, bench/scale.py.) A straggler on this node is
+recorded once for the whole job as ``straggler_detected`` by the leader (every
+node's windows attached); the first one of this node of an attempt goes to the policy as
 ``StragglerEvidence`` (its node leaves only with ``--exclude-straggler``, see
 ``policy.decide_on_straggler``).
 """
@@ -16,7 +19,9 @@ import argparse
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainguard.detect import straggler as S
 from trainguard.evidence import StragglerEvidence
@@ -28,6 +33,8 @@ log = logging.getLogger(__name__)
 KEEP_WINDOWS = 16  # this node's windows kept while waiting for other nodes
 HISTORY_WINDOWS = 256  # merged windows kept for the detector (it needs >= 1 s of them)
 STORE_PREFIX = "trainguard/straggler"
+LEADER = 0  # node rank that merges and judges
+FOLLOW_EVERY_S = 0.5  # how often a waiting follower reads the leader's verdicts
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -64,6 +71,16 @@ class _Exchange:
     analysed: int = -1  # newest merged window the detector has seen
     reported: set[tuple[int, str]] = field(default_factory=set)
     handed_over: bool = False  # the attempt's straggler evidence went to the policy
+    verdicts: dict[tuple[int, str], S.Verdict] = field(default_factory=dict)  # leader: all so far
+    followed_at: float = 0.0  # follower: when it last read the leader's verdicts
+
+
+def _get_all(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of keys that exist: one round trip where the store can (multi_get), not one per key."""
+    try:
+        return list(store.multi_get(keys))
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return [store.get(k) for k in keys]
 
 
 class StragglerMonitor(Monitor):
@@ -102,8 +119,11 @@ class StragglerMonitor(Monitor):
         # A c10d rendezvous store is scoped to the round (every restart is a new round), and agents
         # that joined at different times count attempts differently: no attempt in the key there.
         # The static rendezvous reuses one store for every attempt (all agents restart together).
-        scope = f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
-        return f"{STORE_PREFIX}/{scope}w{window}/n{node_rank}"
+        return f"{STORE_PREFIX}/{self._scope(ctx)}w{window}/n{node_rank}"
+
+    @staticmethod
+    def _scope(ctx: MonitorContext) -> str:
+        return f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
 
     def _exchange_and_detect(self, ctx: MonitorContext) -> StragglerEvidence | None:
         ex = self._exchange
@@ -117,7 +137,10 @@ class StragglerMonitor(Monitor):
                 continue
             ctx.store.set(self._key(ctx, w, ctx.node_rank), json.dumps([r.to_dict() for r in ranks]))
             ex.published.append(w)
-        if ctx.store is not None and ctx.nnodes > 1:
+        shared = ctx.store is not None and ctx.nnodes > 1
+        if shared and ctx.node_rank != LEADER:
+            return self._follow(ctx, ex)
+        if shared:
             self._collect(ctx, ex)
         for old in sorted(ex.merged)[:-HISTORY_WINDOWS]:
             del ex.merged[old]
@@ -128,7 +151,37 @@ class StragglerMonitor(Monitor):
         while last in ex.merged:  # the consecutive windows ending at the newest
             history.append(ex.merged[last])
             last -= 1
-        return self._report(ctx, S.detect(history[::-1], self.cfg))
+        verdicts = S.detect(history[::-1], self.cfg)
+        if shared:
+            self._publish_verdicts(ctx, ex, verdicts)
+        return self._report(ctx, verdicts)
+
+    def _verdicts_key(self, ctx: MonitorContext) -> str:
+        return f"{STORE_PREFIX}/{self._scope(ctx)}verdicts"
+
+    def _publish_verdicts(self, ctx: MonitorContext, ex: _Exchange, verdicts: list[S.Verdict]) -> None:
+        """Every straggler the leader found this attempt (first verdict of each), and the newest
+        window it judged: a follower that reads late still sees a straggler that has recovered."""
+        assert ctx.store is not None
+        for v in verdicts:
+            ex.verdicts.setdefault((v.rank, v.kind), v)
+        blob = {"window": ex.analysed, "verdicts": [v.to_dict() for v in ex.verdicts.values()]}
+        ctx.store.set(self._verdicts_key(ctx), json.dumps(blob))
+
+    def _follow(self, ctx: MonitorContext, ex: _Exchange) -> StragglerEvidence | None:
+        """Not the leader: this node's stragglers, from the leader's verdicts (one key)."""
+        assert ctx.store is not None
+        ex.published = ex.published[-KEEP_WINDOWS:]
+        now = time.monotonic()
+        if not ex.published or now - ex.followed_at < FOLLOW_EVERY_S:
+            return None  # nothing of ours the leader has not judged yet, or read a moment ago
+        ex.followed_at = now
+        key = self._verdicts_key(ctx)
+        if not ctx.store.check([key]):
+            return None
+        blob = json.loads(ctx.store.get(key))
+        ex.published = [w for w in ex.published if w > int(blob["window"])]
+        return self._report(ctx, [S.Verdict(**d) for d in blob["verdicts"]])
 
     def _collect(self, ctx: MonitorContext, ex: _Exchange) -> None:
         """Merge the published windows that every node has published (a few store round trips)."""
@@ -138,16 +191,15 @@ class StragglerMonitor(Monitor):
         for w in ex.published[:4]:
             keys = [self._key(ctx, w, n) for n in range(ctx.nnodes)]
             if ctx.store.check(keys):
-                ex.merged[w] = [S.RankWindow.from_dict(d) for k in keys for d in json.loads(ctx.store.get(k))]
+                ex.merged[w] = [S.RankWindow.from_dict(d) for blob in _get_all(ctx.store, keys) for d in json.loads(blob)]
                 complete.append(w)
         if complete:  # an older window still missing somewhere was lost there (a rank lost records)
             ex.published = [w for w in ex.published if w > max(complete)]
 
     def _report(self, ctx: MonitorContext, verdicts: list[S.Verdict]) -> StragglerEvidence | None:
-        """One ``straggler_detected`` per incident (the new verdicts of one analysis, named by their
-        first slow window) for the whole job: every node runs the same detector on the same merged
-        windows, and the first agent to claim the incident in the store records it, with each
-        node's windows attached. Each node hands the policy the first straggler of its own."""
+        """One ``straggler_detected`` per incident (the new verdicts of one analysis) for the whole
+        job: the leader, which judged every node's merged windows, records it with each node's
+        windows attached. Each node hands the policy the first straggler of its own."""
         ex = self._exchange
         new = [v for v in verdicts if (v.rank, v.kind) not in ex.reported]
         if not new:
@@ -161,7 +213,7 @@ class StragglerMonitor(Monitor):
             )
             for v in new
         ]  # fmt: skip
-        if self._claim(ctx, min(v.windows[0] for v in new)):
+        if ctx.store is None or ctx.nnodes <= 1 or ctx.node_rank == LEADER:
             first = found[0]
             windows = set(new[0].windows)
             by_node: dict[str, list[dict]] = {}
@@ -181,15 +233,3 @@ class StragglerMonitor(Monitor):
             return None
         ex.handed_over = True
         return own
-
-    def _claim(self, ctx: MonitorContext, window: int) -> bool:
-        """Whether this agent records the incident: the first to set its key in the store."""
-        if ctx.store is None or ctx.nnodes <= 1:
-            return True
-        scope = f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
-        key = f"{STORE_PREFIX}/{scope}incident/w{window}"
-        try:
-            return ctx.store.compare_set(key, "", ctx.node).decode() == ctx.node
-        except Exception as exc:  # the store is gone: record it here rather than lose it
-            log.debug("straggler incident claim failed: %s", exc)
-            return True

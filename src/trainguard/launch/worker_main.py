@@ -1,8 +1,10 @@
 """What runs inside a worker process before and around the user's script.
 
-Used two ways: as a pre-started process (``python -u -m trainguard.launch.worker_main --prestart``)
-that imports torch ahead of time and waits on stdin for its assignment, and directly
-(``python -u -m trainguard.launch.worker_main SPEC_JSON``) when pre-starting is off.
+Used three ways: forked from the zygote (``python -u -m trainguard.launch.worker_main --zygote FD``,
+see launch/zygote_server.py), which imported torch once, and then waiting on stdin for its
+assignment; as a pre-started process (``--prestart``) that imports torch itself ahead of time and
+waits on stdin the same way; and directly (``python -u -m trainguard.launch.worker_main SPEC_JSON``)
+when pre-starting is off.
 The assignment is JSON: {"env": {...}, "cwd": str, "script": str | null, "module": str | null,
 "args": [...]}.
 """
@@ -22,7 +24,28 @@ from trainguard import torch_compat
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+# trainguard's own worker-side modules, imported ahead of time with torch's (launch/zygote_server.py)
+WORKER_MODULES = (
+    "trainguard.worker.bootstrap",
+    "trainguard.worker.hooks",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+)
+
+
+def preimport() -> None:
+    """What a worker would otherwise import after its start: torch's modules and ours."""
+    import importlib
+
+    torch_compat.preimport()
+    for name in WORKER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def die_with_parent() -> None:
     """If the agent dies (even by SIGKILL), take this worker down too: no orphans."""
     if sys.platform != "linux":
         return
@@ -113,20 +136,30 @@ def _print_user_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
+def _read_assignment() -> dict | None:
+    line = sys.stdin.readline()
+    if not line:
+        return None  # the agent went away before using us
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return json.loads(line)
+
+
 def main() -> None:
-    _die_with_parent()
-    if sys.argv[1:2] == ["--prestart"]:
-        torch_compat.preimport()  # the expensive part of a worker start, before it is needed
-        line = sys.stdin.readline()
-        if not line:
-            return  # the agent went away before using us
-        spec = json.loads(line)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
+    die_with_parent()
+    if sys.argv[1:2] == ["--zygote"]:
+        from trainguard.launch import zygote_server
+
+        zygote_server.serve(int(sys.argv[2]), preimport)  # returns only in a forked child
+        spec = _read_assignment()
+    elif sys.argv[1:2] == ["--prestart"]:
+        preimport()  # the expensive part of a worker start, before it is needed
+        spec = _read_assignment()
     else:
         spec = json.loads(sys.argv[1])
-    run(spec)
+    if spec is not None:
+        run(spec)
 
 
 if __name__ == "__main__":
