@@ -148,3 +148,13 @@ def test_no_early_zygote_when_not_wanted():
     for argv in (["--no-python", "x"], ["--prestart-workers", "spawn", "t.py"], ["-h"]):
         zygote_mod.start_early(argv)
         assert zygote_mod.take_early(sys.executable) is None
+
+
+def test_a_launch_that_stops_early_leaves_no_zygote(capsys):
+    """`trainguard run` with a bad flag value, called in-process: the zygote started before the
+    flags were parsed is closed (it used to stay, and the next launch in the process took it)."""
+    from trainguard import cli
+
+    assert cli.main(["run", "--nproc-per-node", "0", "train.py"]) == 2
+    assert zygote_mod._early is None
+    assert "error" in capsys.readouterr().err

@@ -55,10 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"trainguard: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_USAGE
-    if name == "run":
-        from trainguard.launch.zygote import start_early
+    if name != "run":
+        return _command(name, rest)
+    from trainguard.launch import zygote
 
-        start_early(rest)  # its import of torch runs beside the agent's own imports
+    zygote.start_early(rest)  # its import of torch runs beside the agent's own imports
+    try:
+        return _command(name, rest)
+    finally:
+        zygote.close_early()  # one the launch never took (it stopped before starting workers)
+
+
+def _command(name: str, rest: list[str]) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     parser = module.make_parser() if hasattr(module, "make_parser") else _Parser(prog=f"trainguard {name}")
     if not hasattr(module, "make_parser"):

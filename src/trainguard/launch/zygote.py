@@ -274,6 +274,16 @@ def start_early(argv: list[str]) -> None:
         log.debug("early zygote not started: %s", exc)
 
 
+def close_early() -> None:
+    """Close a zygote ``start_early`` started that no pool took (the launch stopped before one:
+    a bad flag, a busy run dir). A CLI process would take it down at exit; a caller that goes on
+    (``trainguard.cli.main`` called in-process) must not keep it running."""
+    global _early
+    zygote, _early = _early, None
+    if zygote is not None:
+        zygote.close()
+
+
 def take_early(python: str) -> Zygote | None:
     """The zygote ``start_early`` started, if it runs ``python`` (the caller owns it now)."""
     global _early
