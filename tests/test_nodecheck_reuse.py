@@ -42,9 +42,9 @@ def test_memory_reuses_only_a_recent_healthy_result_of_an_unchanged_uninvolved_n
     assert m.reason_to_check("fp", now=650) == ""
     assert "reuse limit" in m.reason_to_check("fp", now=701)
     assert "changed" in m.reason_to_check("other", now=101)
-    m.involve("its local rank(s) [0] failed")
+    m.involve("its rank(s) [0] failed")
     m.involve("something later")  # the first reason is kept
-    assert m.reason_to_check("fp", now=101) == "its local rank(s) [0] failed"
+    assert m.reason_to_check("fp", now=101) == "its rank(s) [0] failed"
     m.record(True, "fp", now=200)  # rechecked: involvement cleared
     assert m.reason_to_check("fp", now=201) == ""
     m.record(False, "fp", now=300)  # a faulty or straggling result is never reused

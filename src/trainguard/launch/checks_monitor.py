@@ -392,7 +392,7 @@ class ChecksMonitor(Monitor):
     def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> HardwareReport | None:
         own = sorted(r for r, f in failures.items() if not f.collateral and not lost_peer(f))
         if own:  # its workers failed of their own, not of a lost peer: recheck it before going on
-            self._memory.involve(f"its local rank(s) {own} failed")
+            self._memory.involve(f"its rank(s) {own} failed")
         try:
             report = self._hardware_check(self._periodic_config())
         except Exception as exc:
