@@ -153,6 +153,10 @@ def advertise_address(config, single: bool) -> str:
 
 def _raise_signal(signum: int, frame: object) -> None:
     sigval = signal.Signals(signum)
+    # The first signal decides how the run ends (SIGUSR1: preempted, requeue): a second one (Slurm's
+    # SIGTERM when another node requeues the job) must not interrupt the stopping it started.
+    for sig in scheduler.STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
@@ -380,8 +384,8 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         # monitors close (the metrics endpoint and status stay up while held).
         if code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
             hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if code == EXIT_EXCLUDED else "failed")
-        # Already stopping: a second signal (Slurm's SIGTERM after SIGUSR1, a requeue by another
-        # node) must not cut short persisting the snapshots and stopping the workers.
+        # Stopping: a signal now (Slurm's requeue by another node, a time limit) must not cut short
+        # persisting the snapshots and stopping the workers.
         for sig in scheduler.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         if agent is not None:
