@@ -1,23 +1,30 @@
 """Training stall of ``trainguard.checkpoint.save`` vs a synchronous ``torch.save`` of the same state.
 
-    python bench/checkpoint.py [--state-mb 128] [--saves 4] [--every 10] [--repeats 3]
+    python bench/checkpoint.py [--state-mb 128] [--every 5] [--pairs 4] [--repeats 4] [--json FILE]
 
 One process trains an MLP with Adam on CPU (model + optimizer state of about --state-mb MB) and
-checkpoints every --every steps with each backend in turn, rounds interleaved so that machine noise
-hits all of them alike:
+checkpoints with each backend in turn, rounds interleaved so that machine noise hits all alike:
 
-- none:        no checkpoint (the baseline for the run-time overhead);
 - torch.save:  ``torch.save(state, tmp); os.replace(tmp, path)`` on the training thread;
-- trainguard:  ``trainguard.checkpoint.save(state, step)``, with the checkpoint monitor persisting
-               in a separate process, as the agent does under ``trainguard run``;
-- tg overlap:  the same with ``overlap=True``: the CPU copy runs on a helper thread during the
-               next forward/backward (the optimizer step waits for it).
+- trainguard:  ``trainguard.checkpoint.save(state, step)`` as it runs by default (the copy into
+               shared memory inside the call), with the checkpoint monitor persisting in a separate
+               process, as the agent does under ``trainguard run``;
+- tg overlap:  the same with ``overlap=True`` (``--ckpt-overlap``): the CPU copy runs on an
+               idle-priority helper thread during the next forward/backward (the optimizer step
+               waits for it).
 
-It prints, per backend, the training stall per save: the median time the save call blocks plus
-the median slow-down of the steps until the next save (where an overlapped copy is waited for and
-the background persist competes for CPU and disk), against the median step of the baseline;
-the ratio trainguard / torch.save; and the steps lost per failure when each backend may spend 5 %
-of the training time on checkpoints.
+Paired measurement, robust to the drift of a shared machine: each save is preceded by a control
+window of --every steps without one and followed by the steps until its checkpoint is on disk (at
+least --every); the stall of that save is the time the call blocked plus what those steps took
+beyond the control window's pace: what the copy, an overlapped copy waited for, and the
+background persist competing for CPU and disk cost the training. The time from the save until the
+checkpoint is on disk (the persist latency) and the agent's CPU time for it are recorded too.
+Medians over all pairs.
+
+It prints, per backend, the stall per save and the ratio to torch.save; the steps lost per
+failure when each backend may spend 5 % of the training time on checkpoints; and at this run's
+save interval the steps lost when a process fails (the in-memory snapshot survives) and when the
+node is lost (only what the agent had persisted: the persist latency adds to it).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-OVERLAP = "tg overlap"
 TG = "trainguard"
+OVERLAP = "tg overlap"
+BACKENDS = ("torch.save", TG, OVERLAP)
 
 
 def agent_main(run_dir: str, ckpt_dir: str, shm_root: str) -> None:
@@ -80,58 +88,70 @@ def state_bytes(state) -> int:
     return 0
 
 
-def run(backend: str, saves: int, every: int, model, opt, step_fn, ckpt, torch_path: Path, first: int):
-    """Train ``saves`` intervals of ``every`` steps, saving after each interval. Returns the step
-    times, the time each save call blocked, and for each save the step times of the interval
-    after it (where an overlapped copy is waited for and the background persist competes)."""
+def window(step_fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def cpu_seconds(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def run(backend: str, pairs: int, every: int, model, opt, step_fn, ckpt, torch_path: Path, ckpt_dir: Path,
+        step: int, agent_pid: int) -> tuple[dict[str, list[float]], int]:
+    """``pairs`` x (control window, save, window after it, wait for the disk). Returns per pair the
+    control window's step times, the save call, the extra time of the window after it, and (for
+    trainguard) the seconds from the save until the checkpoint was on disk and the CPU seconds the
+    agent spent persisting it (a low-noise measure of what the persist costs)."""
     import torch
 
-    step_times: list[float] = []
-    blocked: list[float] = []
-    after: list[list[float]] = []
-    i = first
-    for n in range(saves + 1):
-        interval = []
-        for _ in range(every):
-            t0 = time.perf_counter()
-            step_fn()
-            interval.append(time.perf_counter() - t0)
-            i += 1
-        step_times.extend(interval)
-        if n > 0:
-            after.append(interval)
-        if backend == "none" or n == saves:
-            continue
-        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i}
-        t1 = time.perf_counter()
+    from trainguard.checkpoint import disk
+
+    out: dict[str, list[float]] = {"steps": [], "call": [], "extra": [], "persist": [], "agent_cpu": []}
+    for _ in range(pairs):
+        cpu0 = cpu_seconds(agent_pid)
+        control = window(step_fn, every)
+        step += every
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        t0 = time.perf_counter()
         if backend == "torch.save":
             tmp = torch_path.with_suffix(".tmp")
             torch.save(state, tmp)
             os.replace(tmp, torch_path)
         else:
-            ckpt.save(state, i, overlap=backend == OVERLAP)
-        blocked.append(time.perf_counter() - t1)
-    return step_times, blocked, after, i
-
-
-def wait_persisted(ckpt_dir: Path, step: int, timeout: float = 600) -> None:
-    from trainguard.checkpoint import disk
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if step in disk.list_steps(ckpt_dir, 0):
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"bench: step {step} was not persisted within {timeout}s")
+            ckpt.save(state, step, overlap=backend == OVERLAP)
+        call = time.perf_counter() - t0
+        after = window(step_fn, every)
+        if backend != "torch.save":
+            # Train on until the checkpoint is on disk: all of the persist's cost counts.
+            while step not in disk.list_steps(ckpt_dir, 0):
+                if time.perf_counter() - t0 > 600:
+                    raise SystemExit(f"bench: step {step} was not persisted within 600 s")
+                after.extend(window(step_fn, 1))
+            out["persist"].append(time.perf_counter() - t0)
+            out["agent_cpu"].append(cpu_seconds(agent_pid) - cpu0)
+        step += len(after)
+        out["steps"].extend(control)
+        out["call"].append(call)
+        out["extra"].append(sum(after) - len(after) * sum(control) / len(control))
+    return out, step
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-mb", type=float, default=128)
-    p.add_argument("--saves", type=int, default=4, help="saves per run")
-    p.add_argument("--every", type=int, default=10, help="steps between saves")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--every", type=int, default=5, help="steps per window (a save every 2 windows)")
+    p.add_argument("--pairs", type=int, default=4, help="saves per backend per round")
+    p.add_argument("--repeats", type=int, default=4, help="interleaved rounds")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir on the current disk)")
+    p.add_argument("--json", default=None, help="also write the numbers to this file")
     p.add_argument("--agent", nargs=3, metavar=("RUN_DIR", "CKPT_DIR", "SHM_ROOT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.agent:
@@ -150,53 +170,63 @@ def main() -> int:
     ckpt = None
     try:
         env = json.loads(agent.stdout.readline())
-        ckpt = Checkpointer(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), Path(env["TRAINGUARD_CKPT_DIR"]), 0, 1)
+        ckpt_dir = Path(env["TRAINGUARD_CKPT_DIR"])
+        ckpt = Checkpointer(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), ckpt_dir, 0, 1)
         model, opt, step_fn = build(args.state_mb)
         nbytes = state_bytes({"model": model.state_dict(), "optim": opt.state_dict()})
         print(f"state {nbytes / 1e6:.0f} MB (model + Adam), torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, checkpoints in {base}")
-        # Warm-up: first saves allocate the shm slots and warm the page cache for every backend.
-        for backend in ("torch.save", TG, OVERLAP):
-            run(backend, 2, args.every, model, opt, step_fn, ckpt, base / "torch.pt", 0)
-        ckpt.wait()
-        backends = ["none", "torch.save", TG, OVERLAP]
-        blocked: dict[str, list[float]] = {b: [] for b in backends}
-        after: dict[str, list[list[float]]] = {b: [] for b in backends}
-        step_times: list[float] = []
-        first = 1000
+        step = 0
+        for b in BACKENDS:  # warm-up: first saves allocate the shm slots and the files
+            _, step = run(b, 1, 2, model, opt, step_fn, ckpt, base / "torch.pt", ckpt_dir, step, agent.pid)
+        got: dict[str, dict[str, list[float]]] = {b: {} for b in BACKENDS}
         for r in range(args.repeats):
-            for b in backends[r % 4 :] + backends[: r % 4]:
-                st, blk, aft, last = run(b, args.saves, args.every, model, opt, step_fn, ckpt, base / "torch.pt", first)
-                if b in (TG, OVERLAP):  # let the background persist finish before the next run
-                    ckpt.wait()
-                    wait_persisted(Path(env["TRAINGUARD_CKPT_DIR"]), last - args.every)
-                blocked[b].extend(blk)
-                after[b].extend(aft)
-                if b == "none":
-                    step_times.extend(st)
-                first = last + 1
-        step_s = statistics.median(step_times)
-        print(f"median step {step_s * 1e3:.1f} ms (no checkpoint); {args.repeats} rounds x {args.saves} saves, "
-              f"one every {args.every} steps\n")
-        # Stall per save = the save call + what the steps until the next save lost against the
-        # baseline median step (background copy and persist competing); medians over all saves.
-        rows = {}
-        for b in ("torch.save", TG, OVERLAP):
-            blk = statistics.median(blocked[b])
-            extra = max(0.0, statistics.median(sum(iv) - len(iv) * step_s for iv in after[b]))
-            rows[b] = (blk, extra, blk + extra)
-        print(f"{'backend':<11} {'save call':>10} {'+ interval':>11} {'= stall':>9} {'save every':>11} {'steps lost/failure':>19}")
-        for b, (blk, extra, stall) in rows.items():
+            order = BACKENDS[r % 3 :] + BACKENDS[: r % 3]
+            for b in order:
+                out, step = run(b, args.pairs, args.every, model, opt, step_fn, ckpt, base / "torch.pt", ckpt_dir, step,
+                                agent.pid)
+                for k, v in out.items():
+                    got[b].setdefault(k, []).extend(v)
+        step_s = statistics.median(s for b in BACKENDS for s in got[b]["steps"])
+        print(f"median step {step_s * 1e3:.1f} ms; {args.repeats} rounds x {args.pairs} saves per backend, "
+              f"windows of {args.every} steps\n")
+        print(f"{'backend':<11} {'save call':>10} {'+ after-window':>15} {'= stall':>9} {'ratio':>6}   "
+              f"{'5 % budget: save every':>22} {'lost/failure':>13}")
+        out = {"step_ms": step_s * 1e3, "every": args.every, "backends": {}, "raw": got}
+        stall_ts = None
+        for b in BACKENDS:
+            call, extra = statistics.median(got[b]["call"]), statistics.median(got[b]["extra"])
+            stall = call + extra
+            stall_ts = stall_ts or stall
             # With 5 % of training time for checkpoints: save every N steps; a failure at a random
             # moment loses N/2 steps on average (worst case N).
             n = max(1, math.ceil(stall / (0.05 * step_s)))
-            print(f"{b:<11} {blk * 1e3:>7.1f} ms {extra * 1e3:>8.1f} ms {stall * 1e3:>6.1f} ms {n:>11d} "
-                  f"{n / 2:>10.1f} (max {n})")
+            print(f"{b:<11} {call * 1e3:>7.1f} ms {extra * 1e3:>12.1f} ms {stall * 1e3:>6.1f} ms {stall / stall_ts:>6.3f}   "
+                  f"{n:>22d} {n / 2:>6.1f} (max {n})")
+            out["backends"][b] = {"call_ms": call * 1e3, "extra_ms": extra * 1e3, "stall_ms": stall * 1e3,
+                                  "ratio": stall / stall_ts, "budget_every": n,
+                                  "extra_iqr_ms": _iqr(got[b]["extra"]) * 1e3}
+            if got[b]["persist"]:
+                out["backends"][b]["persist_s"] = statistics.median(got[b]["persist"])
+                out["backends"][b]["agent_cpu_ms"] = statistics.median(got[b]["agent_cpu"]) * 1e3
         print()
         for b in (TG, OVERLAP):
-            print(f"ratio {b} / torch.save (median stall per save): {rows[b][2] / rows['torch.save'][2]:.3f} "
-                  f"({100 * rows[b][2] / rows['torch.save'][2]:.1f} %; goal <= 5 %)")
-        print(f"persisted by the agent: {sorted(disk.list_steps(Path(env['TRAINGUARD_CKPT_DIR']), 0))}")
+            r = out["backends"][b]["ratio"]
+            print(f"ratio {b} / torch.save (median stall per save): {r:.3f} ({100 * r:.1f} %; goal <= 5 %)")
+        every = 2 * args.every
+        print(f"\nsteps lost per failure when saving every {every} steps (average, worst):")
+        print(f"  process failure (the in-memory snapshot survives): {every / 2:.1f}, {every}")
+        for b in (TG, OVERLAP):
+            lat = statistics.median(got[b]["persist"]) / step_s  # steps from a save until it is on disk
+            out["backends"][b]["persist_steps"] = lat
+            print(f"  node lost, {b}: {every / 2 + lat:.1f}, {every + math.ceil(lat)} "
+                  f"(a checkpoint is on disk {lat:.1f} steps after its save, median)")
+        for b in (TG, OVERLAP):
+            print(f"agent CPU per persisted checkpoint, {b}: {out['backends'][b]['agent_cpu_ms']:.1f} ms (median)")
+        print("noise: interquartile range of the after-window extra: "
+              + ", ".join(f"{b} {out['backends'][b]['extra_iqr_ms']:.1f} ms" for b in BACKENDS))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -205,6 +235,11 @@ def main() -> int:
         disk.remove_tree(base)
         disk.remove_tree(shm_root)
     return 0
+
+
+def _iqr(xs: list[float]) -> float:
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
 
 
 if __name__ == "__main__":

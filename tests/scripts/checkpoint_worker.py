@@ -1,11 +1,13 @@
 """A training worker for the checkpoint tests: DDP (gloo) MLP + Adam, trainguard.checkpoint every
---every steps. Prints `resume step=S digest=D`, `step=S`, `saved step=S digest=D ok=B`, `done`.
+--every steps. Prints `resume step=S digest=D world=W saved_world=V`, `step=S`,
+`saved step=S digest=D ok=B`, `done`. The state records the world size it was saved at.
 
 The digest is a SHA-256 of the whole saved state's tensor bytes, so the test can check that a
 resumed state is bit-identical to the one saved at that step. --big-mb adds a tensor filled with
 the step number (a large state makes the persist window long enough to interrupt).
 --die-in-save N: the process dies inside its N-th save, after copying, before committing.
 --kill-after-save S: rank 1 SIGKILLs itself right after the save of step S (first attempt only).
+--steps-after-resize K: when the resumed state was saved at another world size, train K more steps.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--die-in-save", type=int, default=0)
     p.add_argument("--kill-after-save", type=int, default=-1,
                    help="SIGKILL this process right after saving step S (first attempt, rank 1 only)")
+    p.add_argument("--steps-after-resize", type=int, default=-1)
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,14 +87,17 @@ def main() -> None:
         Checkpointer._publish = dying_publish
 
     state = ckpt.load_latest()
-    start = 0
+    start, saved_world = 0, world
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
-        start = int(state["step"])
+        start, saved_world = int(state["step"]), int(state.get("world", world))
         if big_n:
             assert bool((state["big"] == start).all()), "big tensor does not match the step"
-    print(f"resume step={start} digest={digest(state) if state is not None else '-'}", flush=True)
+        if saved_world != world and args.steps_after_resize >= 0:
+            args.steps = start + args.steps_after_resize
+    print(f"resume step={start} digest={digest(state) if state is not None else '-'} world={world} "
+          f"saved_world={saved_world}", flush=True)
     print(f"shm_dir={os.environ.get('TRAINGUARD_CKPT_SHM_DIR', '-')}", flush=True)
 
     gen = torch.Generator().manual_seed(1000 + start)
@@ -103,7 +109,7 @@ def main() -> None:
         opt.step()
         print(f"step={step}", flush=True)
         if step % args.every == 0:
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "world": world}
             if big_n:
                 state["big"] = torch.full((big_n,), float(step))
             d = digest(state)

@@ -15,21 +15,29 @@ structure is JSON and tensors are raw bytes with CRC32 checksums.
 
 Sharded states (``torch.distributed.checkpoint``): pass the sharded state dict as it comes from
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)`` (DTensor values, e.g.
-FSDP2). Each rank stores its local shards plus their placements; ``load_latest(mesh=mesh)``
-rebuilds DTensors on the same device mesh, ready for ``set_state_dict``. Resuming on a different
-world layout (resharding) is what ``torch.distributed.checkpoint.save/load`` are for: use them
-for long-term checkpoints and trainguard for the fast, frequent ones.
+FSDP2). Each rank stores its local shards plus their placements and global offsets (DCP's chunk
+metadata); ``load_latest(mesh=mesh)`` rebuilds DTensors on the device mesh, ready for
+``set_state_dict`` — on another world size too: torch.distributed.checkpoint reshards them from
+every old rank's file on disk. ``export_dcp`` writes a step as a torch.distributed.checkpoint
+directory.
+
+After a world-size change (an elastic job that lost a node), replicated state (DDP) resumes from
+any old rank's copy; sharded state that cannot be resharded (an old rank's file missing, no mesh
+given) raises ``IncompatibleCheckpoint`` when no older step can be loaded: never a silently wrong
+state, never a silent fresh start.
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.client import Checkpointer
 from trainguard.checkpoint.format import FormatError
+from trainguard.checkpoint.reshard import IncompatibleCheckpoint
 
-__all__ = ["Checkpointer", "FormatError", "load_latest", "save", "wait"]
+__all__ = ["Checkpointer", "FormatError", "IncompatibleCheckpoint", "export_dcp", "load_latest", "save", "wait"]
 
 _default: Checkpointer | None = None
 _lock = threading.Lock()
@@ -55,10 +63,21 @@ def load_latest(map_location: Any = None, mesh: Any = None) -> Any:
     """The newest valid state of this rank, or None. Call it after ``init_process_group``: all ranks
     then agree on the newest step they all have. The in-memory snapshot wins when it is at least as
     new as the disk; a partial or corrupt checkpoint on disk is skipped (event
-    ``checkpoint_fallback``). ``mesh``: rebuild saved DTensors on this DeviceMesh."""
+    ``checkpoint_fallback``). ``mesh``: rebuild saved DTensors on this DeviceMesh (resharded when
+    the world size changed). Raises IncompatibleCheckpoint when checkpoints exist but none can be
+    loaded at this world size."""
     return _checkpointer().load_latest(map_location=map_location, mesh=mesh)
 
 
 def wait() -> None:
     """Block until the last ``save`` is complete in memory (without an agent: also on disk)."""
     _checkpointer().wait()
+
+
+def export_dcp(dest: str | Path, ckpt_dir: str | Path, step: int | None = None) -> int:
+    """Write checkpoint ``step`` of ``ckpt_dir`` (default: the newest whose ranks all verify) to
+    ``dest`` as a torch.distributed.checkpoint directory with full tensors, loadable at any world
+    size by ``torch.distributed.checkpoint.load``. Runs in one process; returns the step."""
+    from trainguard.checkpoint.reshard import export_dcp as _export
+
+    return _export(Path(dest), Path(ckpt_dir), step)

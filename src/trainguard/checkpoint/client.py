@@ -6,6 +6,13 @@ Under ``trainguard run`` the agent owns the shm directory and persists snapshots
 runs the same persister on a thread of its own ("local mode"): saves still return at memory speed,
 but a snapshot survives the process only once it is on disk.
 
+After a change of world size (an elastic job that lost or gained nodes) the ranks settle on the
+newest step every rank can load at the new size: replicated state (DDP: every rank's copy is the
+same) from any old rank's copy, in this node's shared memory or on disk; sharded state (DTensor)
+resharded by torch.distributed.checkpoint from every old rank's file on disk (see ``reshard``).
+What cannot be loaded that way is refused: ``IncompatibleCheckpoint`` when nothing else is left,
+never a silently wrong or silently older state.
+
 CUDA tensors are copied device->host with ``non_blocking=True`` into the slot, which is registered
 as pinned memory (``cudaHostRegister``), on each tensor's current stream: the host does not wait,
 and kernels queued later on that stream (the next optimizer step) run after the copy, so the
@@ -36,13 +43,22 @@ from trainguard.checkpoint.format import (
     decode_manifest,
     encode_manifest,
     flatten,
+    is_sharded,
     parse_entries,
     plan_layout,
     tensor_view,
     unflatten,
 )
-from trainguard.checkpoint.persist import Persister, write_report
-from trainguard.checkpoint.shm import Slot, make_shm_dir, payload_offsets, release_shm_dir, slot_path
+from trainguard.checkpoint.persist import Persister, rescue_orphan, write_report
+from trainguard.checkpoint.reshard import IncompatibleCheckpoint, load_resharded, why_not_reshardable
+from trainguard.checkpoint.shm import (
+    Slot,
+    make_shm_dir,
+    parse_slot_name,
+    payload_offsets,
+    release_shm_dir,
+    slot_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +66,42 @@ ENV_SHM_DIR = "TRAINGUARD_CKPT_SHM_DIR"
 ENV_CKPT_DIR = "TRAINGUARD_CKPT_DIR"
 ENV_KEEP = "TRAINGUARD_CKPT_KEEP"
 ENV_OVERLAP = "TRAINGUARD_CKPT_OVERLAP"
+# Copy inside save() unless told otherwise: on CPU training that keeps every core busy there are no
+# idle cycles to hide a copy in, and a concurrent copy slows the steps more than a short memmove in
+# the call (bench/checkpoint.py measures both). CUDA tensors are always copied asynchronously.
+OVERLAP_DEFAULT = False
+ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # local mode (no agent): where its private slot dir goes
 MAX_CANDIDATES = 64
 NSLOTS = 2
+_WORLD_BITS = 20  # candidate keys: step << 20 | world size
+
+
+@dataclass(frozen=True)
+class _Source:
+    kind: str  # "memory" | "disk"
+    rank: int  # whose copy (the rank that saved it)
+    path: Path | None = None  # the slot file, for memory
+
+
+@dataclass
+class _Candidate:
+    """One step at one world size that this rank can load, and from where (best first)."""
+
+    step: int
+    world: int
+    sharded: bool
+    sources: list[_Source] = field(default_factory=list)
+
+    @property
+    def key(self) -> int:
+        return self.step << _WORLD_BITS | self.world
 
 
 @dataclass
 class _Pending:
     """A save whose copies are not all finished: queued device->host copies (CUDA events) and,
-    with ``overlap``, CPU copies left to the helper thread."""
+    with ``overlap``, CPU copies in chunks that the helper thread takes one by one at idle
+    priority, and the training thread takes over (``_finish``) when it needs the state."""
 
     index: int
     seq: int
@@ -65,8 +109,43 @@ class _Pending:
     manifest_len: int
     data_len: int
     events: list[Any]
-    cpu_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dst, src)
+    data: torch.Tensor | None = None  # the slot's data region
+    # (byte offset in ``data``, bytes, source tensor, byte offset in the source or -1 for a whole
+    # tensor that is not plain memory, its version counter at save)
+    items: list[tuple[int, int, torch.Tensor, int, int]] = field(default_factory=list)
+    taken: int = 0  # items handed out
+    left: int = 0  # items not copied yet
+    changed: str | None = None  # a source changed in place before its copy
+    cond: threading.Condition = field(default_factory=threading.Condition)
     done: threading.Event = field(default_factory=threading.Event)
+    waited: bool = False  # the training thread waits for it: the helper must not run at idle priority
+
+    def take(self) -> tuple[int, int, torch.Tensor, int, int] | None:
+        with self.cond:
+            if self.taken >= len(self.items):
+                return None
+            self.taken += 1
+            return self.items[self.taken - 1]
+
+    def copied(self, item: tuple[int, int, torch.Tensor, int, int]) -> None:
+        if item[2]._version != item[4]:
+            self.changed = f"a tensor of shape {tuple(item[2].shape)} was modified during the overlapped copy"
+        with self.cond:
+            self.left -= 1
+            if self.left == 0:
+                self.cond.notify_all()
+
+    def all_copied(self) -> None:
+        with self.cond:
+            while self.left:
+                self.cond.wait()
+
+
+_CHUNK = 4 << 20  # overlapped copies in 4 MiB pieces: whoever needs the state soon takes the rest
+
+
+class _StateChanged(Exception):
+    """A tensor was changed in place while its overlapped copy was pending."""
 
 
 class Checkpointer:
@@ -87,6 +166,10 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._completer: queue.Queue[_Pending | None] | None = None
         self._failing = False
+        self._overlap_off = False
+        self._helper_tid: int | None = None
+        self._helper_idle = False
+        self._priority_lock = threading.Lock()
         self._lock = threading.Lock()
         self._adopt_existing_slots()
 
@@ -102,9 +185,11 @@ class Checkpointer:
         if shm:
             return cls(Path(shm), ckpt_dir, rank, world)
         # Local mode: no agent. Slots in a private shm dir, persisted by a thread of this process.
-        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-        shm_dir = make_shm_dir(root)
+        root = Path(os.environ.get(ENV_SHM_ROOT) or ("/dev/shm" if Path("/dev/shm").is_dir() else
+                                                     os.environ.get("TMPDIR", "/tmp")))
         keep = int(os.environ.get(ENV_KEEP, "3"))
+        shm_dir = make_shm_dir(root, info={"ckpt_dir": str(ckpt_dir.resolve()), "keep": keep},
+                               on_orphan=lambda d: rescue_orphan(d, _log_event))
         persister = Persister(shm_dir, ckpt_dir, keep, _log_event)
         self = cls(shm_dir, ckpt_dir, rank, world, persister)
         persister.start()
@@ -112,7 +197,13 @@ class Checkpointer:
         return self
 
     def _adopt_existing_slots(self) -> None:
-        """After a restart on the same node: find the snapshots the previous process left."""
+        """After a restart on the same node: find the snapshots the previous process left. Sequence
+        numbers continue above every slot in the directory (whichever rank left it), so the
+        persister's "newest first" holds when a node hosts other ranks after a world change."""
+        for path, _ in self._slot_files():
+            hdr, _ = _peek_slot(path, manifest=False)
+            if hdr is not None:
+                self._seq = max(self._seq, hdr.seq)
         for i in range(NSLOTS):
             path = slot_path(self.shm_dir, self.rank, i)
             if not path.exists():
@@ -141,10 +232,12 @@ class Checkpointer:
         (reported as an event; training goes on). Raises TypeError for values it cannot store.
 
         ``overlap`` (default: env TRAINGUARD_CKPT_OVERLAP=1, else off): CPU tensors are copied by a
-        helper thread while training goes on; the next optimizer step, and the next forward of a
-        module that has buffers (BatchNorm statistics, DDP's buffer broadcast), wait until the copy
-        is done, so the snapshot is still exactly the state at this call. Only in-place changes to
-        state tensors made elsewhere before the next optimizer step would leak into it."""
+        helper thread, at idle CPU priority, while training goes on; the next optimizer step,
+        and the next forward of a module that has buffers (BatchNorm statistics, DDP's buffer
+        broadcast), wait until the copy is done (the helper then runs at normal priority), so the
+        snapshot is still exactly the state at this call. An in-place change made elsewhere before
+        the copy (seen by the tensors' version counters) discards that snapshot, reports
+        ``checkpoint_overlap_off`` and makes later saves copy inside this call."""
         start = time.perf_counter_ns()
         try:
             return self._save(state, step, overlap)
@@ -155,11 +248,13 @@ class Checkpointer:
         tree, tensors = flatten(state)
         entries, data_len = plan_layout(tensors)
         meta = {"format": FORMAT, "rank": self.rank, "world_size": self.world, "step": int(step),
-                "time": time.time(), "tree": tree, "tensors": [e.to_json() for e in entries]}
+                "time": time.time(), "sharded": is_sharded(tree), "tree": tree,
+                "tensors": [e.to_json() for e in entries]}
         raw = encode_manifest(meta)
         manifest_off, data_off = payload_offsets(len(raw))
         if overlap is None:
-            overlap = os.environ.get(ENV_OVERLAP, "0") == "1"
+            overlap = os.environ.get(ENV_OVERLAP, "1" if OVERLAP_DEFAULT else "0") == "1"
+        overlap = overlap and not self._overlap_off
         with self._lock:
             try:
                 self._wait_pending()
@@ -172,10 +267,12 @@ class Checkpointer:
                 slot.begin_write(self._seq)
                 slot.mm[manifest_off : manifest_off + len(raw)] = raw
                 buf = self._buf(index)
-                pending = _Pending(index, self._seq, int(step), len(raw), data_len, [])
-                self._copy_tensors(buf[data_off : data_off + data_len], entries, tensors, index, pending, overlap)
-                if pending.events or pending.cpu_copies:
-                    if pending.cpu_copies:
+                pending = _Pending(index, self._seq, int(step), len(raw), data_len, [],
+                                   buf[data_off : data_off + data_len])
+                self._copy_tensors(pending.data, entries, tensors, index, pending, overlap)
+                pending.left = len(pending.items)
+                if pending.events or pending.items:
+                    if pending.items:
                         _install_guards(self)
                     self._pending = pending
                     self._queue_completion(pending)
@@ -235,14 +332,19 @@ class Checkpointer:
         for e, t in zip(entries, tensors, strict=True):
             if e.nbytes == 0:
                 continue
+            if overlap and t.device.type == "cpu":  # views are made when copied, not here
+                if _plain(t):
+                    pending.items.extend((e.offset + a, min(_CHUNK, e.nbytes - a), t, a, t._version)
+                                         for a in range(0, e.nbytes, _CHUNK))
+                else:
+                    pending.items.append((e.offset, e.nbytes, t, -1, t._version))
+                continue
             dst = data[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape)
             if t.device.type == "cuda":
                 if not self._pinned[index]:
                     self._pinned[index] = _cuda_host_register(self._buf(index))
                 dst.copy_(t, non_blocking=True)
                 devices.add(t.device)
-            elif overlap:
-                pending.cpu_copies.append((dst, t))
             else:
                 dst.copy_(t)
         for dev in devices:
@@ -256,6 +358,14 @@ class Checkpointer:
         slot.publish(p.seq, p.step, p.manifest_len, p.data_len, self.rank, self.world)
         self._latest = p.index
 
+    def _slot_files(self) -> list[tuple[Path, int]]:
+        """(path, rank) of every slot file in the shm directory."""
+        try:
+            names = sorted(os.listdir(self.shm_dir))
+        except OSError:
+            return []
+        return [(self.shm_dir / n, parsed[0]) for n in names if (parsed := parse_slot_name(n)) is not None]
+
     def _queue_completion(self, p: _Pending) -> None:
         if self._completer is None:
             self._completer = queue.Queue()
@@ -264,22 +374,60 @@ class Checkpointer:
 
     def _complete_loop(self) -> None:
         assert self._completer is not None
+        self._helper_tid = threading.get_native_id()
         while (p := self._completer.get()) is not None:
             try:
-                for dst, src in p.cpu_copies:
-                    _copy_cpu(dst, src)
-                p.cpu_copies.clear()
+                if p.items:
+                    self._helper_priority(idle=True)  # overlapped: only the CPU training leaves idle
+                    if p.waited:  # the training thread got there first
+                        self._helper_priority(idle=False)
+                    while (item := p.take()) is not None:
+                        _copy_item(p, item, fast=False)
+                    p.all_copied()  # pieces the training thread took over
+                    if p.changed:
+                        raise _StateChanged(p.changed)
                 for ev in p.events:
                     ev.synchronize()  # off the training thread: waits for the D2H copy only
                 self._publish(p)
+            except _StateChanged as exc:
+                self._overlap_off = True
+                self._report("checkpoint_overlap_off", "warning",
+                             f"rank {self.rank}: snapshot of step {p.step} discarded: {exc}, an in-place change outside "
+                             "optimizer.step() and module forward; later snapshots are copied inside save()",
+                             {"step": p.step, "error": str(exc)})
             except Exception as exc:
                 self._note_failure(p.step, exc)
             finally:
+                p.items.clear()
                 p.done.set()
+
+    def _finish(self, p: _Pending) -> None:
+        """The training thread needs the state: copy what the helper has not taken yet itself (with
+        torch's parallel copy), then wait for the piece the helper is on and the publish."""
+        if p.done.is_set():
+            return
+        p.waited = True
+        self._helper_priority(idle=False)
+        while (item := p.take()) is not None:
+            _copy_item(p, item, fast=True)
+        p.done.wait()
+
+    def _helper_priority(self, idle: bool) -> None:
+        """The copy helper runs at idle priority while nobody waits for it, and at normal priority
+        once the training thread does (a busy machine would otherwise starve it meanwhile)."""
+        with self._priority_lock:
+            tid = self._helper_tid
+            if tid is None or self._helper_idle == idle:
+                return
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+                self._helper_idle = idle
+            except (AttributeError, OSError):
+                self._helper_tid = None  # not allowed here: leave it at normal priority
 
     def _wait_pending(self) -> None:
         if self._pending is not None:
-            self._pending.done.wait()
+            self._finish(self._pending)
             self._pending = None
 
     def wait(self) -> None:
@@ -315,34 +463,160 @@ class Checkpointer:
     # --- load ------------------------------------------------------------------------------------
     def load_latest(self, map_location: Any = None, mesh: Any = None, agree: bool = True) -> Any:
         """The newest state this rank can load, or None. With torch.distributed initialized (and
-        ``agree``), all ranks settle on the newest step that every rank has and can verify."""
+        ``agree``), all ranks settle on the newest step that every rank has and can verify, at the
+        world size it was saved with (see the module doc for a changed world size). Raises
+        IncompatibleCheckpoint when checkpoints exist but none can be loaded at this world size."""
         with self._lock:
             self._wait_pending()
-        in_memory = self._memory_steps()
-        candidates = sorted(set(in_memory) | set(disk.list_steps(self.ckpt_dir, self.rank)), reverse=True)
-        collective = agree and _dist_world() > 1
         corrupt: list[dict[str, Any]] = []
+        refused: list[dict[str, Any]] = []
+        found = self._candidates(mesh, corrupt, refused)
+        collective = agree and _dist_world() > 1
+        result, chosen = None, None
         while True:
-            step = _agree_step(candidates) if collective else (candidates[0] if candidates else None)
-            if step is None:
-                result, source = None, None
+            order = sorted(found.values(), key=self._preference, reverse=True)
+            if collective:
+                key = _agree_key([c.key for c in order])
+                chosen = found.get(key) if key is not None else None
+                if key is not None and chosen is None:  # cannot happen: the intersection is ours too
+                    raise RuntimeError(f"checkpoint: agreed on step key {key} this rank does not have")
+            else:
+                chosen = order[0] if order else None
+            if chosen is None:
+                result = None
                 break
-            source = "memory" if step in in_memory else "disk"
+            sharded = _agree_any(chosen.sharded) if collective else chosen.sharded
             try:
-                result = self._load_step(step, in_memory.get(step), map_location, mesh)
-            except disk.CorruptCheckpoint as exc:
+                result = self._load(chosen, sharded, map_location, mesh)
+            except IncompatibleCheckpoint as exc:
                 result = None
-                corrupt.append({"step": step, "error": str(exc)})
-            except FormatError as exc:
+                refused.append({"step": chosen.step, "saved_world_size": chosen.world, "error": str(exc)})
+            except (disk.CorruptCheckpoint, FormatError) as exc:
                 result = None
-                corrupt.append({"step": step, "error": f"bad manifest: {exc}"})
+                corrupt.append({"step": chosen.step, "error": str(exc)})
+            except Exception as exc:  # DCP raises its own CheckpointException for a failed read
+                if not sharded:
+                    raise
+                result = None
+                corrupt.append({"step": chosen.step, "error": f"resharding failed: {str(exc)[:500]}"})
             ok = _agree_all(result is not None) if collective else result is not None
             if ok:
                 break
-            if result is None:
-                candidates.remove(step)
-        self._report_load(step if result is not None else None, source, corrupt)
+            result = None
+            found.pop(chosen.key, None)
+        if result is None:
+            self._refuse_if_needed(refused, collective)
+        loaded = chosen if result is not None else None
+        self._report_load(loaded, corrupt, refused)
         return result
+
+    def _preference(self, c: _Candidate) -> tuple[int, bool, int]:
+        # The same total order on every rank: newest step, then this world size, then the bigger one.
+        return (c.step, c.world == self.world, c.world)
+
+    def _candidates(self, mesh: Any, corrupt: list[dict[str, Any]],
+                    refused: list[dict[str, Any]]) -> dict[int, _Candidate]:
+        """Every (step, world size) this rank could load. Same world size: its own copy only (in
+        memory or on disk). Another world size: replicated state from any rank's copy; sharded
+        state only when every old rank's file is on disk (and a mesh is given)."""
+        found: dict[int, _Candidate] = {}
+
+        def add(step: int, world: int, sharded: bool, source: _Source) -> None:
+            c = found.setdefault(step << _WORLD_BITS | world, _Candidate(step, world, sharded))
+            c.sources.append(source)
+
+        for path, rank in self._slot_files():
+            hdr, sharded = _peek_slot(path)
+            if hdr is None or not hdr.complete or hdr.rank != rank:
+                continue
+            if hdr.world == self.world and rank == self.rank:
+                add(hdr.step, hdr.world, sharded, _Source("memory", rank, path))
+            elif hdr.world != self.world and not sharded:
+                add(hdr.step, hdr.world, False, _Source("memory", rank, path))
+        for step in disk.all_steps(self.ckpt_dir):
+            present = disk.ranks_at(self.ckpt_dir, step)
+            if not present:
+                continue
+            ref = self.rank if self.rank in present else present[0]
+            try:
+                meta = disk.read_manifest(self.ckpt_dir, ref, step)
+            except disk.CorruptCheckpoint as exc:
+                if ref == self.rank:
+                    corrupt.append({"step": step, "error": str(exc)})
+                continue
+            world, sharded = meta.get("world_size"), bool(meta.get("sharded"))
+            if not isinstance(world, int) or world < 1:
+                continue
+            if world == self.world:
+                if ref == self.rank:
+                    add(step, world, sharded, _Source("disk", ref))
+                continue
+            if not sharded:
+                for r in [ref, *(r for r in present if r != ref)]:
+                    add(step, world, False, _Source("disk", r))
+                continue
+            why = why_not_reshardable(meta, present) or (
+                None if mesh is not None else "sharded state: pass mesh= (the new DeviceMesh) to reshard it")
+            if why is None:
+                add(step, world, True, _Source("disk", ref if ref < world else 0))
+            else:
+                refused.append({"step": step, "saved_world_size": world, "error": why})
+        for c in found.values():  # memory first, then this rank's own file, then the others'
+            c.sources.sort(key=lambda src: (src.kind != "memory", src.rank != self.rank))
+        return found
+
+    def _load(self, c: _Candidate, sharded: bool, map_location: Any, mesh: Any) -> Any:
+        if c.world == self.world:
+            src = c.sources[0]
+            if src.kind == "memory":
+                index = self._own_slot_index(src.path)
+                meta, tensors = self._read_slot(index) if index is not None else _read_slot_file(src.path)
+            else:
+                meta, tensors = _read_disk(self.ckpt_dir, src.rank, c.step)
+            return unflatten(meta["tree"], _moved(tensors, map_location), mesh)
+        if sharded:
+            if mesh is None:
+                raise IncompatibleCheckpoint("sharded state saved at another world size: pass mesh= to reshard it")
+            ref = next(s.rank for s in c.sources if s.kind == "disk")
+            collective = _dist_world() > 1
+            return load_resharded(self.ckpt_dir, c.step, c.world, ref, mesh, map_location,
+                                  agree=_agree_all if collective else (lambda ok: ok))
+        errors = []
+        for src in c.sources:  # replicated: any rank's copy serves
+            try:
+                if src.kind == "memory":
+                    meta, tensors = _read_slot_file(src.path)
+                else:
+                    meta, tensors = _read_disk(self.ckpt_dir, src.rank, c.step)
+                if meta.get("world_size") != c.world or meta.get("sharded"):
+                    raise disk.CorruptCheckpoint(f"rank {src.rank}'s copy is not replicated state of world size {c.world}")
+                return unflatten(meta["tree"], _moved(tensors, map_location), None)
+            except (disk.CorruptCheckpoint, FormatError, OSError) as exc:
+                errors.append(f"rank {src.rank} ({src.kind}): {exc}")
+        raise disk.CorruptCheckpoint("; ".join(errors))
+
+    def _own_slot_index(self, path: Path | None) -> int | None:
+        for i, slot in enumerate(self._slots):
+            if slot is not None and path is not None and slot.path == path:
+                return i
+        return None
+
+    def _refuse_if_needed(self, refused: list[dict[str, Any]], collective: bool) -> None:
+        """Nothing loaded although checkpoints exist that this world size cannot use: refuse rather
+        than let the job start from scratch (all ranks, so none waits in a collective)."""
+        anyone = _agree_any(bool(refused)) if collective else bool(refused)
+        if not anyone:
+            return
+        if refused:
+            why = "; ".join(f"step {r['step']} (saved by {r['saved_world_size']} ranks): {r['error']}" for r in refused[:4])
+        else:
+            why = "another rank found checkpoints it cannot load at this world size"
+        self._report("checkpoint_incompatible", "error",
+                     f"rank {self.rank}: no checkpoint in {self.ckpt_dir} can be loaded at world size {self.world}: {why}",
+                     {"refused": refused, "world_size": self.world, "dir": str(self.ckpt_dir)})
+        raise IncompatibleCheckpoint(
+            f"no checkpoint can be loaded at world size {self.world}: {why}. Resume at the saved world size, "
+            f"or move {self.ckpt_dir} aside to start from scratch")
 
     def _memory_steps(self) -> dict[int, int]:
         """step -> slot index of our complete in-memory snapshots."""
@@ -352,17 +626,6 @@ class Checkpointer:
             if hdr is not None and hdr.complete and (hdr.step not in out or hdr.seq > out[hdr.step][1]):
                 out[hdr.step] = (i, hdr.seq)
         return {step: i for step, (i, _) in out.items()}
-
-    def _load_step(self, step: int, index: int | None, map_location: Any, mesh: Any) -> Any:
-        if index is not None:
-            meta, tensors = self._read_slot(index)
-        else:
-            meta, data = disk.read_checkpoint(self.ckpt_dir, self.rank, step)
-            entries = parse_entries(meta["tensors"], data.numel())
-            tensors = [tensor_view(data, e) for e in entries]
-        if map_location is not None:
-            tensors = [t.to(map_location) for t in tensors]
-        return unflatten(meta["tree"], tensors, mesh)
 
     def _read_slot(self, index: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
         slot = self._slots[index]
@@ -377,16 +640,30 @@ class Checkpointer:
         # Copies: the slot will be overwritten by a later save.
         return meta, [tensor_view(data, e).clone() for e in entries]
 
-    def _report_load(self, step: int | None, source: str | None, corrupt: list[dict[str, Any]]) -> None:
-        if corrupt:
-            bad = ", ".join(str(c["step"]) for c in corrupt)
+    def _report_load(self, c: _Candidate | None, corrupt: list[dict[str, Any]],
+                     refused: list[dict[str, Any]]) -> None:
+        step = c.step if c is not None else None
+        source = c.sources[0].kind if c is not None else None
+        skipped = [x for x in corrupt + refused if step is None or x["step"] > step]
+        if skipped:
+            bad = ", ".join(str(x["step"]) for x in skipped)
             where = f"step {step} from {source}" if step is not None else "nothing (starting fresh)"
             self._report("checkpoint_fallback", "warning",
-                         f"rank {self.rank}: checkpoint step(s) {bad} partial or corrupt; loaded {where}",
-                         {"corrupt": corrupt, "loaded_step": step, "source": source, "dir": str(self.ckpt_dir)})
-        if step is not None and self.rank == 0:
-            self._report("checkpoint_loaded", "info", f"resumed from step {step} ({source})",
-                         {"step": step, "source": source})
+                         f"rank {self.rank}: checkpoint step(s) {bad} partial, corrupt or not loadable here; loaded {where}",
+                         {"corrupt": corrupt, "refused": refused, "loaded_step": step, "source": source,
+                          "dir": str(self.ckpt_dir)})
+        if c is not None and self.rank == 0:
+            evidence: dict[str, Any] = {"step": c.step, "source": source}
+            if c.world != self.world:
+                evidence.update(saved_world_size=c.world, world_size=self.world,
+                                mode="resharded" if c.sharded else "replicated")
+                how = ("sharded state resharded by torch.distributed.checkpoint" if c.sharded
+                       else f"replicated state, rank {c.sources[0].rank}'s copy")
+                self._report("checkpoint_loaded", "info",
+                             f"resumed from step {c.step} ({source}) saved by {c.world} ranks, now {self.world}: {how}",
+                             evidence)
+            else:
+                self._report("checkpoint_loaded", "info", f"resumed from step {c.step} ({source})", evidence)
 
     # --- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -407,13 +684,76 @@ class Checkpointer:
             self._persister = None
 
 
-def _copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if src.is_contiguous() and not src.is_conj() and not src.is_neg():
-        # One plain memmove: releases the GIL and, unlike copy_ from a second thread, does not
-        # start another OpenMP team competing with the training thread's kernels.
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+def _plain(t: torch.Tensor) -> bool:
+    """Its bytes are exactly what a copy must produce (no lazy conjugate / negative bit)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _copy_item(p: _Pending, item: tuple[int, int, torch.Tensor, int, int], fast: bool) -> None:
+    """One piece of an overlapped copy. ``fast`` (the training thread, which is waiting anyway):
+    torch's copy, parallel over the intra-op threads. Else (the helper) one memmove, which releases
+    the GIL and starts no OpenMP team of its own."""
+    assert p.data is not None
+    offset, nbytes, src, src_off, _ = item
+    if src_off < 0:
+        p.data[offset : offset + nbytes].view(src.dtype).view(src.shape).copy_(src)
+    elif fast:
+        p.data[offset : offset + nbytes].copy_(src.reshape(-1).view(torch.uint8)[src_off : src_off + nbytes])
     else:
-        dst.copy_(src)
+        ctypes.memmove(p.data.data_ptr() + offset, src.data_ptr() + src_off, nbytes)
+    p.copied(item)
+
+
+def _peek_slot(path: Path, manifest: bool = True) -> tuple[Any, bool]:
+    """(header, sharded) of a slot file without keeping it open; (None, False) when unreadable.
+    ``manifest``: also read the manifest to tell whether the snapshot is sharded."""
+    try:
+        slot = Slot.open(path)
+    except (OSError, ValueError):
+        return None, False
+    try:
+        hdr = slot.header()
+        if hdr is None or not hdr.complete or not manifest:
+            return hdr, False
+        meta = decode_manifest(bytes(slot.mm[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]))
+        return hdr, bool(meta.get("sharded"))
+    except FormatError:
+        return None, False
+    finally:
+        slot.close()
+
+
+def _read_slot_file(path: Path | None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Copy a snapshot out of a slot file (another rank's, from an earlier world size). The seqlock
+    check after the copy rejects one that changed meanwhile."""
+    if path is None:
+        raise disk.CorruptCheckpoint("no slot")
+    slot = Slot.open(path, populate=True)
+    try:
+        hdr = slot.header()
+        if hdr is None or not hdr.complete or hdr.data_off + hdr.data_len > slot.size:
+            raise disk.CorruptCheckpoint(f"{path.name}: not a complete snapshot")
+        meta = decode_manifest(bytes(slot.mm[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]))
+        entries = parse_entries(meta["tensors"], hdr.data_len)
+        buf = torch.frombuffer(slot.mm, dtype=torch.uint8)[hdr.data_off : hdr.data_off + hdr.data_len]
+        tensors = [tensor_view(buf, e).clone() for e in entries]
+        del buf
+        now = slot.header()
+        if now is None or now.seq != hdr.seq or not now.complete:
+            raise disk.CorruptCheckpoint(f"{path.name}: overwritten while being read")
+        return meta, tensors
+    finally:
+        slot.close()
+
+
+def _read_disk(ckpt_dir: Path, rank: int, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    meta, data = disk.read_checkpoint(ckpt_dir, rank, step)
+    entries = parse_entries(meta["tensors"], data.numel())
+    return meta, [tensor_view(data, e) for e in entries]
+
+
+def _moved(tensors: list[torch.Tensor], map_location: Any) -> list[torch.Tensor]:
+    return tensors if map_location is None else [t.to(map_location) for t in tensors]
 
 
 # --- guards for overlapped copies -------------------------------------------------------------
@@ -450,8 +790,8 @@ def _install_guards(ck: Checkpointer) -> None:
 def _wait_copies() -> None:
     for ck in list(_guarded):
         p = ck._pending
-        if p is not None and p.cpu_copies:
-            p.done.wait()
+        if p is not None and p.items:
+            ck._finish(p)
 
 
 def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -459,7 +799,7 @@ def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
-    if not any(ck._pending is not None and ck._pending.cpu_copies for ck in list(_guarded)):
+    if not any(ck._pending is not None and ck._pending.items for ck in list(_guarded)):
         return
     has = _has_buffers.get(module)
     if has is None:
@@ -491,22 +831,31 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _agree_step(candidates: list[int]) -> int | None:
-    """The newest step present in every rank's candidate list (None when there is none)."""
+def _agree_key(keys: list[int]) -> int | None:
+    """The first of ``keys`` (this rank's candidates, best first; every rank orders them alike)
+    that every rank has (None when there is none)."""
     import torch.distributed as dist
 
     dev = _collective_device()
     mine = torch.full((MAX_CANDIDATES,), -1, dtype=torch.int64)
-    top = candidates[:MAX_CANDIDATES]
+    top = keys[:MAX_CANDIDATES]
     mine[: len(top)] = torch.tensor(top, dtype=torch.int64)
     mine = mine.to(dev)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     common: set[int] | None = None
     for g in gathered:
-        steps = {int(s) for s in g.cpu().tolist() if s >= 0}
-        common = steps if common is None else common & steps
-    return max(common) if common else None
+        got = {int(k) for k in g.cpu().tolist() if k >= 0}
+        common = got if common is None else common & got
+    return next((k for k in top if k in common), None) if common else None
+
+
+def _agree_any(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _agree_all(ok: bool) -> bool:

@@ -1,37 +1,65 @@
 """Checkpoints on disk: one directory per step, two files per rank, written so a crash never corrupts.
 
     CKPT_DIR/step-0000000120/rank-00000.bin    raw tensor bytes (the snapshot's data region)
-    CKPT_DIR/step-0000000120/rank-00000.json   manifest: structure, tensor table, size and CRC32
+    CKPT_DIR/step-0000000120/rank-00000.json   sealed manifest: structure, tensor table, the data's
+                                               size and checksum, then the manifest's own CRC32
 
 Write order: data to a temp file, fsync, rename; manifest likewise; fsync the directory. The
-manifest is the commit record: a step without it, with a short data file or a bad CRC is skipped
-by the reader (which then falls back to the step before). Nothing here unpickles anything.
+manifest is the commit record: a step without it, with a short data file, a bad checksum or an
+edited manifest is skipped by the reader (which then falls back to the step before). Nothing here
+unpickles anything.
+
+The data is written with O_DIRECT where the file system allows it: straight from the shared-memory
+snapshot to the disk, without copying 2 bytes of CPU work per byte into the page cache and without
+filling the page cache with checkpoint pages that would push out the job's own (the buffered
+fallback drops its pages with posix_fadvise after the fsync).
+
+Pruning keeps the ``keep`` most recently persisted checkpoints of a rank that verify (the one just
+written always among them). Checkpoints that do not verify are not counted as kept: they are moved
+aside to ``CKPT_DIR/quarantine/`` (never deleted: the caller reports what was moved and why).
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
+import errno
+import mmap
 import os
 import shutil
 import socket
 import time
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from trainguard.checkpoint.format import decode_manifest, parse_entries
+from trainguard.checkpoint.format import (
+    DEFAULT_CHECKSUM,
+    MAX_MANIFEST_BYTES,
+    ChecksumUnavailable,
+    FormatError,
+    checksum_fn,
+    open_manifest,
+    parse_entries,
+    seal_manifest,
+)
 
 CHUNK = 8 << 20
 _TMP_MARK = ".tmp-"
+_DIRECT_ALIGN = 4096
+QUARANTINE = "quarantine"
 
 
 class CorruptCheckpoint(Exception):
     """A checkpoint that is partial or whose checksum does not verify."""
+
+
+class CannotVerify(CorruptCheckpoint):
+    """A checkpoint this installation cannot check (a checksum it cannot compute): not loaded, but
+    not treated as damaged either (never quarantined)."""
 
 
 class SnapshotChanged(Exception):
@@ -45,6 +73,7 @@ class Persisted:
     path: Path
     nbytes: int
     seconds: float
+    direct: bool = False  # written with O_DIRECT
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
@@ -66,20 +95,37 @@ def _parse_step(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def list_steps(ckpt_dir: Path, rank: int) -> list[int]:
-    """Steps with a committed manifest for ``rank``, newest first (not yet verified)."""
+def _parse_rank(name: str) -> int | None:
+    if not (name.startswith("rank-") and name.endswith(".json")):
+        return None
+    digits = name[5:-5]
+    return int(digits) if digits.isdigit() else None
+
+
+def all_steps(ckpt_dir: Path) -> list[int]:
+    """Every step directory, newest first (whoever's files are in it)."""
     try:
         names = os.listdir(ckpt_dir)
     except OSError:  # missing or unusable: nothing to resume from there
         return []
-    steps = []
-    for name in names:
-        step = _parse_step(name)
-        if step is not None and (Path(ckpt_dir) / name / manifest_name(rank)).is_file():
-            steps.append(step)
-    return sorted(steps, reverse=True)
+    return sorted((s for s in map(_parse_step, names) if s is not None), reverse=True)
 
 
+def list_steps(ckpt_dir: Path, rank: int) -> list[int]:
+    """Steps with a committed manifest for ``rank``, newest first (not yet verified)."""
+    return [s for s in all_steps(ckpt_dir) if (step_dir(ckpt_dir, s) / manifest_name(rank)).is_file()]
+
+
+def ranks_at(ckpt_dir: Path, step: int) -> list[int]:
+    """Ranks with a committed manifest at ``step``, ascending."""
+    try:
+        names = os.listdir(step_dir(ckpt_dir, step))
+    except OSError:
+        return []
+    return sorted(r for r in map(_parse_rank, names) if r is not None)
+
+
+# --- writing ---------------------------------------------------------------------------------------
 class _Throttle:
     """Caps the write rate so persisting does not starve the job's own I/O (0: no cap)."""
 
@@ -97,18 +143,90 @@ class _Throttle:
             time.sleep(ahead)
 
 
-def _write_file(path: Path, chunks: Callable[[], Any], throttle: _Throttle) -> tuple[int, int]:
-    """Write the chunks, fsync; returns (bytes, crc32)."""
-    crc, n = 0, 0
+def _address(mv: memoryview) -> int | None:
+    """The memory address of a writable buffer (None for read-only ones)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    except (TypeError, ValueError):
+        return None
+
+
+def _chunks(data: memoryview) -> Iterator[memoryview]:
+    for i in range(0, len(data), CHUNK):
+        yield data[i : i + CHUNK]
+
+
+def _write_direct(fd: int, data: memoryview, fn: Callable[[Any, int], int], throttle: _Throttle) -> int:
+    """O_DIRECT: whole aligned blocks straight from ``data``; the tail through an aligned bounce
+    page, then the file is cut to its real length. Returns the checksum."""
+    value = 0
+    whole = len(data) // _DIRECT_ALIGN * _DIRECT_ALIGN
+    for chunk in _chunks(data[:whole]):
+        value = fn(chunk, value)
+        if os.write(fd, chunk) != len(chunk):
+            raise OSError(errno.EIO, "short O_DIRECT write")
+        throttle.account(len(chunk))
+    tail = data[whole:]
+    if len(tail):
+        value = fn(tail, value)
+        with mmap.mmap(-1, _DIRECT_ALIGN) as page:  # page-aligned, zero-filled
+            page[: len(tail)] = tail
+            if os.write(fd, page) != _DIRECT_ALIGN:
+                raise OSError(errno.EIO, "short O_DIRECT write")
+        os.ftruncate(fd, len(data))
+    return value
+
+
+def _write_buffered(fd: int, data: memoryview, fn: Callable[[Any, int], int], throttle: _Throttle) -> int:
+    value = 0
+    for chunk in _chunks(data):
+        value = fn(chunk, value)
+        view = chunk
+        while len(view):
+            view = view[os.write(fd, view) :]
+        throttle.account(len(chunk))
+    return value
+
+
+def _write_data(path: Path, data: memoryview, throttle: _Throttle, algo: str) -> tuple[int, bool]:
+    """Write ``data`` to ``path`` and fsync. Returns (checksum, written with O_DIRECT)."""
+    fn = checksum_fn(algo)
+    addr = _address(data)
+    direct = hasattr(os, "O_DIRECT") and addr is not None and addr % _DIRECT_ALIGN == 0 and len(data) >= CHUNK
+    if direct:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            direct = False  # this file system does not do O_DIRECT
+        else:
+            try:
+                value = _write_direct(fd, data, fn, throttle)
+                os.fsync(fd)
+                return value, True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                direct = False  # alignment this device does not accept: write it buffered
+            finally:
+                os.close(fd)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        value = _write_buffered(fd, data, fn, throttle)
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):  # written and synced: keep the page cache for the job
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return value, False
+    finally:
+        os.close(fd)
+
+
+def _write_small(path: Path, raw: bytes) -> None:
     with open(path, "wb") as f:
-        for chunk in chunks():
-            f.write(chunk)
-            crc = zlib.crc32(chunk, crc)
-            n += len(chunk)
-            throttle.account(len(chunk))
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-    return n, crc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -125,6 +243,7 @@ def write_checkpoint(
     data: memoryview,
     still_valid: Callable[[], bool] = lambda: True,
     max_bytes_per_s: float = 0,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> Persisted:
     """Persist one rank's snapshot. ``meta`` is the snapshot manifest (rank, step, tree, tensors).
     ``still_valid`` is asked before committing: False discards the write (SnapshotChanged).
@@ -136,17 +255,13 @@ def write_checkpoint(
     tag = f"{_TMP_MARK}{socket.gethostname()}-{os.getpid()}"
     tmp_data = sdir / (data_name(rank) + tag)
     tmp_meta = sdir / (manifest_name(rank) + tag)
-    throttle = _Throttle(max_bytes_per_s)
     try:
-        nbytes, crc = _write_file(
-            tmp_data, lambda: (data[i : i + CHUNK] for i in range(0, len(data), CHUNK)), throttle
-        )
+        value, direct = _write_data(tmp_data, data, _Throttle(max_bytes_per_s), checksum)
         if not still_valid():
             raise SnapshotChanged(f"rank {rank} step {step} was overwritten while persisting")
-        full = dict(meta, data={"file": data_name(rank), "size": nbytes, "crc32": crc},
+        full = dict(meta, data={"file": data_name(rank), "size": len(data), "checksum": checksum, "value": value},
                     persisted_at=time.time(), host=socket.gethostname())
-        raw = json.dumps(full, separators=(",", ":")).encode()
-        _write_file(tmp_meta, lambda: [raw], _Throttle(0))
+        _write_small(tmp_meta, seal_manifest(full))
         # Data first, manifest last: the manifest's presence commits the step.
         os.replace(tmp_data, sdir / data_name(rank))
         os.replace(tmp_meta, sdir / manifest_name(rank))
@@ -156,51 +271,184 @@ def write_checkpoint(
             p.unlink(missing_ok=True)
         _remove_if_empty(sdir)
         raise
-    return Persisted(rank, step, sdir, nbytes, time.monotonic() - t0)
+    return Persisted(rank, step, sdir, len(data), time.monotonic() - t0, direct)
+
+
+# --- reading ---------------------------------------------------------------------------------------
+def read_manifest(ckpt_dir: Path, rank: int, step: int) -> dict[str, Any]:
+    """One rank's sealed manifest at ``step``, checksum verified. Raises CorruptCheckpoint."""
+    path = step_dir(ckpt_dir, step) / manifest_name(rank)
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > _manifest_limit():
+                raise CorruptCheckpoint(f"{path.name}: manifest larger than {_manifest_limit() >> 20} MiB")
+            raw = f.read(_manifest_limit() + 1)
+        if len(raw) > _manifest_limit():
+            raise CorruptCheckpoint(f"{path.name}: manifest larger than {_manifest_limit() >> 20} MiB")
+        meta = open_manifest(raw)
+        info = meta.get("data")
+        if not isinstance(info, dict) or not all(isinstance(info.get(k), int) for k in ("size", "value")):
+            raise CorruptCheckpoint(f"{path.name}: manifest lacks the data size and checksum")
+        if meta.get("rank") != rank or meta["step"] != step:
+            raise CorruptCheckpoint(f"{path.name}: manifest says rank {meta.get('rank')} step {meta['step']}")
+    except CorruptCheckpoint:
+        raise
+    except FormatError as exc:
+        raise CorruptCheckpoint(f"step {step} rank {rank}: {exc}") from None
+    except OSError as exc:
+        raise CorruptCheckpoint(f"step {step} rank {rank}: {exc}") from None
+    return meta
+
+
+def _manifest_limit() -> int:
+    return MAX_MANIFEST_BYTES + 64
+
+
+def _algo(meta: dict[str, Any]) -> str:
+    return str(meta["data"].get("checksum", "checksum")).upper()
+
+
+def _open_data(ckpt_dir: Path, rank: int, step: int, meta: dict[str, Any]) -> tuple[Any, int, Callable, int]:
+    info = meta["data"]
+    size, want = info["size"], info["value"]
+    fn = checksum_fn(info.get("checksum"))
+    path = step_dir(ckpt_dir, step) / data_name(rank)
+    f = open(path, "rb")  # noqa: SIM115 (closed by the callers)
+    actual = os.fstat(f.fileno()).st_size
+    if actual != size:
+        f.close()
+        raise CorruptCheckpoint(f"{path.name}: {actual} bytes, manifest says {size}")
+    return f, size, fn, want
 
 
 def read_checkpoint(ckpt_dir: Path, rank: int, step: int) -> tuple[dict[str, Any], torch.Tensor]:
     """(manifest, flat uint8 data) of one rank's checkpoint, verified. Raises CorruptCheckpoint."""
-    sdir = step_dir(ckpt_dir, step)
+    return _read_verified(ckpt_dir, rank, step, keep=True)
+
+
+def verify_checkpoint(ckpt_dir: Path, rank: int, step: int) -> dict[str, Any]:
+    """Check one rank's checkpoint end to end without keeping its data (one reused buffer).
+    Returns the manifest; raises CorruptCheckpoint."""
+    return _read_verified(ckpt_dir, rank, step, keep=False)[0]
+
+
+def _read_verified(ckpt_dir: Path, rank: int, step: int, keep: bool) -> tuple[dict[str, Any], torch.Tensor]:
+    meta = read_manifest(ckpt_dir, rank, step)
     try:
-        meta = decode_manifest((sdir / manifest_name(rank)).read_bytes())
-        info = meta["data"]
-        size, want_crc = int(info["size"]), int(info["crc32"])
-        if meta.get("rank") != rank or meta["step"] != step:
-            raise CorruptCheckpoint(f"manifest says rank {meta.get('rank')} step {meta['step']}")
-        path = sdir / data_name(rank)
-        if path.stat().st_size != size:
-            raise CorruptCheckpoint(f"{path.name}: {path.stat().st_size} bytes, manifest says {size}")
-        buf = bytearray(size)
-        crc = 0
-        with open(path, "rb") as f, memoryview(buf) as mv:
-            for i in range(0, size, CHUNK):
-                part = mv[i : i + CHUNK]
-                if f.readinto(part) != len(part):
-                    raise CorruptCheckpoint(f"{path.name}: short read")
-                crc = zlib.crc32(part, crc)
-        if crc != want_crc:
-            raise CorruptCheckpoint(f"{path.name}: CRC32 {crc:#010x} != {want_crc:#010x} in the manifest")
-        parse_entries(meta["tensors"], size)
+        f, size, fn, want = _open_data(ckpt_dir, rank, step, meta)
+        with f:
+            parse_entries(meta["tensors"], size)  # before allocating: the table must fit the file
+            if keep:
+                available = psutil.virtual_memory().available
+                if size > available:
+                    raise CorruptCheckpoint(f"step {step} rank {rank}: {size / 1e9:.1f} GB of data, "
+                                            f"only {available / 1e9:.1f} GB of memory available")
+            data = torch.empty(size if keep else min(CHUNK, size), dtype=torch.uint8)
+            value = 0
+            with memoryview(data.numpy()) as mv:
+                for i in range(0, size, CHUNK):
+                    part = mv[i : i + CHUNK] if keep else mv[: min(CHUNK, size - i)]
+                    if f.readinto(part) != len(part):
+                        raise CorruptCheckpoint(f"{data_name(rank)}: short read")
+                    value = fn(part, value)
+        if value != want:
+            raise CorruptCheckpoint(f"{data_name(rank)}: {_algo(meta)} {value:#010x} != {want:#010x} in the manifest")
     except CorruptCheckpoint:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpoint(f"step {step} rank {rank}: {exc}") from None
-    data = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    except ChecksumUnavailable as exc:
+        raise CannotVerify(f"step {step} rank {rank}: {exc}") from None
+    except (OSError, ValueError, KeyError, TypeError, MemoryError) as exc:  # FormatError is a ValueError
+        raise CorruptCheckpoint(f"step {step} rank {rank}: {str(exc)[:300]}") from None
     return meta, data
 
 
-def prune(ckpt_dir: Path, rank: int, keep: int) -> list[int]:
-    """Delete this rank's files in all but the ``keep`` newest committed steps. Returns removed steps."""
-    steps = list_steps(ckpt_dir, rank)
-    removed = []
-    for step in steps[keep:]:
+# --- pruning ---------------------------------------------------------------------------------------
+@dataclass
+class VerifiedCache:
+    """Checkpoints already verified (or written) by this process, keyed by the files' identity, so
+    pruning reads each checkpoint at most once."""
+
+    ok: dict[tuple[int, int], tuple[tuple[int, ...], float]] = field(default_factory=dict)
+
+    @staticmethod
+    def _identity(ckpt_dir: Path, rank: int, step: int) -> tuple[int, ...] | None:
+        sdir = step_dir(ckpt_dir, step)
+        try:
+            a, b = os.stat(sdir / manifest_name(rank)), os.stat(sdir / data_name(rank))
+        except OSError:
+            return None
+        return (a.st_ino, a.st_size, a.st_mtime_ns, b.st_ino, b.st_size, b.st_mtime_ns)
+
+    def add(self, ckpt_dir: Path, rank: int, step: int, persisted_at: float) -> None:
+        ident = self._identity(ckpt_dir, rank, step)
+        if ident is not None:
+            self.ok[(rank, step)] = (ident, persisted_at)
+
+    def check(self, ckpt_dir: Path, rank: int, step: int) -> float:
+        """When the checkpoint was persisted; raises CorruptCheckpoint when it does not verify."""
+        ident = self._identity(ckpt_dir, rank, step)
+        known = self.ok.get((rank, step))
+        if known is not None and ident is not None and known[0] == ident:
+            return known[1]
+        meta = verify_checkpoint(ckpt_dir, rank, step)
+        when = meta.get("persisted_at")
+        when = float(when) if isinstance(when, int | float) else 0.0
+        self.add(ckpt_dir, rank, step, when)
+        return when
+
+
+@dataclass
+class Pruned:
+    removed: list[int] = field(default_factory=list)
+    quarantined: dict[int, str] = field(default_factory=dict)  # step -> why it did not verify
+    quarantine_dir: Path | None = None
+
+
+def prune(ckpt_dir: Path, rank: int, keep: int, cache: VerifiedCache | None = None,
+          newest: int | None = None, world: int | None = None) -> Pruned:
+    """Keep this rank's ``keep`` most recently persisted checkpoints that verify (``newest``, the
+    step just written, always); delete its older ones; move the ones that do not verify to the
+    quarantine (they are not counted as kept, and not deleted). Rank 0 also deletes, with the
+    steps it deletes, the files of ranks >= ``world`` (a bigger world's, after a shrink)."""
+    cache = cache or VerifiedCache()
+    out = Pruned()
+    good: list[tuple[float, int]] = []
+    for step in list_steps(ckpt_dir, rank):
+        try:
+            when = cache.check(ckpt_dir, rank, step)
+        except CannotVerify:
+            continue  # neither kept nor touched: it may be fine elsewhere
+        except CorruptCheckpoint as exc:
+            out.quarantine_dir = quarantine(ckpt_dir, rank, step)
+            out.quarantined[step] = str(exc)
+            continue
+        good.append((float("inf") if step == newest else when, step))
+    good.sort(reverse=True)
+    for _, step in good[keep:]:
         sdir = step_dir(ckpt_dir, step)
         for name in (manifest_name(rank), data_name(rank)):  # manifest first: uncommit, then data
             (sdir / name).unlink(missing_ok=True)
+        cache.ok.pop((rank, step), None)
+        if rank == 0 and world is not None:
+            remove_ranks_from(ckpt_dir, step, world)
         _remove_if_empty(sdir)
-        removed.append(step)
-    return removed
+        out.removed.append(step)
+    return out
+
+
+def quarantine(ckpt_dir: Path, rank: int, step: int) -> Path:
+    """Move one rank's files of ``step`` to CKPT_DIR/quarantine/step-N.<time>/ (same file system:
+    a rename). Returns the quarantine directory."""
+    qdir = Path(ckpt_dir) / QUARANTINE / f"{step_dir(ckpt_dir, step).name}.{time.strftime('%Y%m%dT%H%M%S')}"
+    qdir.mkdir(parents=True, exist_ok=True)
+    sdir = step_dir(ckpt_dir, step)
+    for name in (manifest_name(rank), data_name(rank)):  # manifest first: uncommit, then data
+        try:
+            os.replace(sdir / name, qdir / name)
+        except FileNotFoundError:
+            pass
+    _remove_if_empty(sdir)
+    return qdir
 
 
 def clean_temp_files(ckpt_dir: Path) -> int:
@@ -219,6 +467,20 @@ def clean_temp_files(ckpt_dir: Path) -> int:
             p.unlink(missing_ok=True)
             n += 1
         _remove_if_empty(d)
+    return n
+
+
+def remove_ranks_from(ckpt_dir: Path, step: int, first_rank: int) -> int:
+    """Delete the files of ranks >= ``first_rank`` at ``step`` (left by a bigger world after a
+    shrink, which no agent persists for any more). Returns how many ranks' files went."""
+    n = 0
+    sdir = step_dir(ckpt_dir, step)
+    for r in ranks_at(ckpt_dir, step):
+        if r >= first_rank:
+            for name in (manifest_name(r), data_name(r)):
+                (sdir / name).unlink(missing_ok=True)
+            n += 1
+    _remove_if_empty(sdir)
     return n
 
 

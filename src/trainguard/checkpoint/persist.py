@@ -5,6 +5,16 @@ not on disk yet, and writes it (``disk.write_checkpoint``), keeping the newest K
 relays the reports workers drop into ``<shm>/reports/`` (a failed save, a fallback on load) as
 events, so they reach the agent's event bus, metrics and notifiers. It runs on its own thread;
 ``run_pass()`` does the same work synchronously (save at breakpoint, on a worker failure).
+
+The background thread runs at idle CPU priority (SCHED_IDLE) and the lowest best-effort I/O
+priority: on a machine whose cores the training keeps busy it only uses the cycles training leaves
+idle, so persisting does not stall training. If it cannot finish a checkpoint for ``max_lag_s``
+(training never idles), ``boost_if_starved`` (called from the agent's loop) lifts it to a normal
+nice-10 thread, so the disk copy never falls behind for ever. Passes at a breakpoint run at normal
+priority: then training is stopped and the checkpoint is what the restart waits for.
+
+``rescue_orphan`` persists what a dead agent left in shared memory (the snapshots it had not yet
+written) before its directory is removed.
 """
 
 from __future__ import annotations
@@ -19,9 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from trainguard.checkpoint import disk
-from trainguard.checkpoint.format import decode_manifest
-from trainguard.checkpoint.shm import Slot, SlotHeader, parse_slot_name
+from trainguard.checkpoint.format import FormatError, decode_manifest
+from trainguard.checkpoint.shm import Slot, SlotHeader, owner_pid, parse_slot_name, read_dir_info
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +52,7 @@ class Persister:
         emit: Emit,
         interval_s: float = 0.1,
         max_write_bytes_per_s: float = 0,
+        idle_priority: bool = True,
     ) -> None:
         self.shm_dir = Path(shm_dir)
         self.ckpt_dir = Path(ckpt_dir)
@@ -47,6 +60,11 @@ class Persister:
         self.emit = emit
         self.interval_s = interval_s
         self.max_write_bytes_per_s = max_write_bytes_per_s
+        self.idle_priority = idle_priority
+        self.boosted = False
+        self._tid: int | None = None
+        self._heartbeat: float | None = None  # the background thread last made progress then
+        self._verified = disk.VerifiedCache()
         self._slots: dict[str, Slot] = {}
         self._done_seqs: dict[int, set[int]] = defaultdict(set)  # rank -> snapshot seqs on disk
         self._failed_seqs: dict[int, set[int]] = defaultdict(set)  # not retried until a breakpoint
@@ -73,32 +91,91 @@ class Persister:
             self._slots.clear()
 
     def _loop(self) -> None:
-        try:
-            # Linux nice is per thread: let training threads win the CPU when cores are scarce.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
+        self._tid = threading.get_native_id()
+        _set_background_priority(self._tid, idle=self.idle_priority)
         while not self._stop.wait(self.interval_s):
+            self._heartbeat = time.monotonic()
             try:
-                self.run_pass()
+                self.run_pass(background=True)
             except Exception as exc:  # never let the thread die: the next pass may succeed
                 log.exception("checkpoint persist pass failed: %s", exc)
 
+    def boost_if_starved(self, max_lag_s: float = 30.0) -> bool:
+        """Called from another thread (the agent's loop): when the idle-priority persist thread has
+        made no progress (no pass started, no checkpoint finished) for ``max_lag_s``, give it a
+        normal (nice 10) share of the CPU until its pass is done. True when it boosted it now."""
+        beat, tid = self._heartbeat, self._tid
+        if beat is None or tid is None or self.boosted or not self.idle_priority:
+            return False
+        if time.monotonic() - beat < max_lag_s:
+            return False
+        self.boosted = _set_background_priority(tid, idle=False)
+        if self.boosted:
+            log.warning("checkpoint: background persist got no idle CPU for %.0f s; running it at nice 10", max_lag_s)
+        return self.boosted
+
     # --- one pass --------------------------------------------------------------------------------
     def run_pass(self, retry_failed: bool = False, every_slot: bool = False,
-                 trigger: str = "background") -> list[disk.Persisted]:
+                 trigger: str = "background", background: bool = False,
+                 skip_on_disk: bool = False) -> list[disk.Persisted]:
         """Persist every rank's newest complete snapshot not yet on disk; relay worker reports.
         ``every_slot`` (at a breakpoint): also the older complete snapshot of each rank, so that the
-        step all ranks agree on after a failure is on disk even if one rank got a step further."""
+        step all ranks agree on after a failure is on disk even if one rank got a step further.
+        ``skip_on_disk``: leave out snapshots whose exact copy is already committed on disk."""
         with self._lock:
             self._relay_reports()
             done = []
             for rank, slot, hdr in self._pending(retry_failed, every_slot):
+                if skip_on_disk and self._on_disk(rank, slot, hdr):
+                    continue
                 result = self._persist_one(rank, slot, hdr)
+                if background:
+                    self._heartbeat = time.monotonic()
                 if result is not None:
                     done.append(result)
+            if background and self.boosted and self._tid is not None:  # caught up: back to idle
+                self.boosted = not _set_background_priority(self._tid, idle=True)
             self._announce(done, trigger)
             return done
+
+    def drop_stale_slots(self, live: set[int], world: int) -> list[int]:
+        """After a world-size change: once every rank now on this node has a snapshot at the new
+        world size (so it has loaded whatever it needed), remove the snapshots of ranks this node
+        no longer hosts, to free their memory. Returns the ranks whose slots went."""
+        if not live:
+            return []
+        with self._lock:
+            try:
+                names = sorted(os.listdir(self.shm_dir))
+            except FileNotFoundError:
+                return []
+            slots = [(n, parsed[0]) for n in names if (parsed := parse_slot_name(n)) is not None]
+            stale = [(n, r) for n, r in slots if r not in live]
+            if not stale:
+                return []
+            current = {r for n, r in slots if r in live and self._complete_at(n, world)}
+            if current != live:
+                return []  # a rank may still be loading from an old snapshot
+            for name, _ in stale:
+                slot = self._slots.pop(name, None)
+                if slot is not None:
+                    slot.close()
+                (self.shm_dir / name).unlink(missing_ok=True)
+            return sorted({r for _, r in stale})
+
+    def _complete_at(self, name: str, world: int) -> bool:
+        slot = self._slot(name)
+        hdr = slot.header() if slot is not None else None
+        return hdr is not None and hdr.complete and hdr.world == world
+
+    def _on_disk(self, rank: int, slot: Slot, hdr: SlotHeader) -> bool:
+        """True when this very snapshot (same rank, step and save time) is committed on disk."""
+        try:
+            mine = decode_manifest(bytes(slot.mm[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]))
+            theirs = disk.read_manifest(self.ckpt_dir, rank, hdr.step)
+        except (FormatError, disk.CorruptCheckpoint):
+            return False
+        return mine.get("time") == theirs.get("time")
 
     def _pending(self, retry_failed: bool, every_slot: bool) -> list[tuple[int, Slot, SlotHeader]]:
         complete: dict[int, list[tuple[Slot, SlotHeader]]] = defaultdict(list)
@@ -129,6 +206,10 @@ class Persister:
 
     def _slot(self, name: str) -> Slot | None:
         slot = self._slots.get(name)
+        if slot is not None and not slot.is_file(self.shm_dir / name):  # removed, or a new file
+            slot.close()
+            del self._slots[name]
+            slot = None
         try:
             if slot is None:
                 slot = Slot.open(self.shm_dir / name)
@@ -161,7 +242,8 @@ class Persister:
                     )
             _remember(self._done_seqs[rank], hdr.seq)
             self._failed_seqs[rank].discard(hdr.seq)
-            disk.prune(self.ckpt_dir, rank, self.keep)
+            self._verified.add(self.ckpt_dir, rank, hdr.step, time.time())  # checked while written
+            self._prune(rank, hdr)
             return result
         except disk.SnapshotChanged:
             return None  # a newer snapshot replaced it: the next pass persists that one
@@ -179,6 +261,20 @@ class Persister:
         finally:
             slot.set_pin(0)
 
+    def _prune(self, rank: int, hdr: SlotHeader) -> None:
+        pruned = disk.prune(self.ckpt_dir, rank, self.keep, self._verified, newest=hdr.step, world=hdr.world)
+        if pruned.quarantined:
+            steps = sorted(pruned.quarantined)
+            self.emit(
+                "checkpoint_quarantined",
+                f"rank {rank}: checkpoint step(s) {steps} in {self.ckpt_dir} do not verify; moved to "
+                f"{pruned.quarantine_dir} (not deleted, not counted among the {self.keep} kept)",
+                severity="warning",
+                rank=rank,
+                evidence={"steps": steps, "errors": {str(k): v for k, v in pruned.quarantined.items()},
+                          "moved_to": str(pruned.quarantine_dir), "dir": str(self.ckpt_dir)},
+            )
+
     def _announce(self, done: list[disk.Persisted], trigger: str) -> None:
         by_step: dict[int, list[disk.Persisted]] = defaultdict(list)
         for p in done:
@@ -193,7 +289,8 @@ class Persister:
                 severity="info",
                 rank=ranks[0] if len(ranks) == 1 else None,
                 evidence={"step": step, "ranks": ranks, "bytes": nbytes, "seconds": round(seconds, 4),
-                          "dir": str(items[0].path), "trigger": trigger},
+                          "dir": str(items[0].path), "trigger": trigger,
+                          "direct_io": all(p.direct for p in items)},
             )
 
     # --- worker reports --------------------------------------------------------------------------
@@ -219,6 +316,53 @@ class Persister:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring bad checkpoint report %s: %s", name, exc)
             path.unlink(missing_ok=True)
+
+
+def rescue_orphan(shm_dir: Path, emit: Emit, default_ckpt_dir: Path | None = None, keep: int = 3) -> list[disk.Persisted]:
+    """Persist the snapshots a dead owner left in ``shm_dir`` that are not on disk yet, to the
+    checkpoint dir it recorded, before the directory is removed. Reports what it did."""
+    info = read_dir_info(shm_dir)
+    ckpt = info.get("ckpt_dir")
+    ckpt_dir = Path(ckpt) if isinstance(ckpt, str) and ckpt else default_ckpt_dir
+    pid = owner_pid(shm_dir)
+    if ckpt_dir is None or not ckpt_dir.is_dir():  # never recreate a checkpoint dir someone removed
+        log.warning("checkpoint: %s (owner pid %s gone): its checkpoint dir %s is gone; its snapshots are dropped",
+                    shm_dir, pid, ckpt_dir)
+        return []
+    k = info.get("keep")
+    persister = Persister(shm_dir, ckpt_dir, k if isinstance(k, int) and k > 0 else keep, emit, idle_priority=False)
+    try:
+        done = persister.run_pass(retry_failed=True, every_slot=True, trigger="orphaned_snapshot", skip_on_disk=True)
+    finally:
+        persister.stop(flush=False)
+    if done:
+        steps = sorted({p.step for p in done})
+        ranks = sorted({p.rank for p in done})
+        emit("checkpoint_rescued",
+             f"the checkpoint owner (pid {pid}) died holding snapshots in shared memory that were not on disk: "
+             f"persisted step(s) {steps} of rank(s) {ranks} to {ckpt_dir} before removing {shm_dir.name}",
+             severity="warning",
+             evidence={"steps": steps, "ranks": ranks, "dir": str(ckpt_dir), "shm_dir": str(shm_dir), "owner_pid": pid})
+    return done
+
+
+def _set_background_priority(tid: int, idle: bool) -> bool:
+    """Idle CPU class (or nice 10) and the lowest best-effort I/O priority for one thread (Linux
+    scheduling attributes are per thread). False when the system does not allow it."""
+    try:
+        if idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, 10)
+    except (AttributeError, OSError) as exc:
+        log.debug("checkpoint: cannot set the persist thread's CPU priority: %s", exc)
+        return False
+    try:
+        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except (AttributeError, OSError, psutil.Error) as exc:
+        log.debug("checkpoint: cannot set the persist thread's I/O priority: %s", exc)
+    return True
 
 
 def _remember(seqs: set[int], seq: int, keep: int = 8) -> None:

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import logging
 import mmap
 import os
 import shutil
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -141,6 +145,13 @@ class Slot:
         self._map()
         return True
 
+    def is_file(self, path: Path) -> bool:
+        """True while ``path`` still names the file this slot maps (not removed or replaced)."""
+        try:
+            return os.stat(path).st_ino == os.fstat(self._fd).st_ino
+        except OSError:
+            return False
+
     def header(self) -> SlotHeader | None:
         fields = _HDR.unpack_from(self.mm, 0)
         if fields[0] != MAGIC or fields[1] != VERSION:
@@ -188,20 +199,48 @@ def _allocate(fd: int, size: int) -> None:
 
 DIR_PREFIX = "trainguard-ckpt-"
 _OWNER = ".owner"
+_INFO = "owner.json"  # where the owner persists to: a later process rescues orphaned snapshots there
+_INFO_MAX = 64 << 10
 _owner_fds: dict[Path, int] = {}
+log = logging.getLogger(__name__)
+
+OnOrphan = Callable[[Path], None]
 
 
-def make_shm_dir(root: Path) -> Path:
+def make_shm_dir(root: Path, info: dict[str, Any] | None = None, on_orphan: OnOrphan | None = None) -> Path:
     """A fresh private directory for one agent's (or one local process's) slots. The creating
     process holds an flock on ``.owner`` inside it for as long as it lives, so any later process
-    can tell (across PID namespaces too) that the directory is orphaned."""
-    remove_stale_dirs(root)
+    can tell (across PID namespaces too) that the directory is orphaned. ``info`` (e.g. the
+    checkpoint dir) is kept in the directory for whoever finds it orphaned; ``on_orphan(dir)`` is
+    called for each orphaned directory found on the way, before it is removed."""
+    remove_stale_dirs(root, on_orphan)
     path = Path(root) / f"{DIR_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     path.mkdir(mode=0o700)
-    fd = os.open(path / _OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+    # Locked before it gets its name: whoever can open ``.owner`` finds it locked while we live.
+    fd = os.open(path / f"{_OWNER}.tmp", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(path / f"{_OWNER}.tmp", path / _OWNER)
     _owner_fds[path] = fd
+    if info is not None:
+        tmp = path / f".{_INFO}.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, path / _INFO)
     return path
+
+
+def read_dir_info(path: Path) -> dict[str, Any]:
+    """The ``info`` a directory's owner left ({} when none or unreadable)."""
+    try:
+        with open(Path(path) / _INFO, "rb") as f:
+            info = json.loads(f.read(_INFO_MAX))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def owner_pid(path: Path) -> int | None:
+    pid = Path(path).name[len(DIR_PREFIX) :].partition("-")[0]
+    return int(pid) if pid.isdigit() else None
 
 
 def release_shm_dir(path: Path) -> None:
@@ -212,8 +251,10 @@ def release_shm_dir(path: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_dirs(root: Path) -> list[Path]:
-    """Remove slot directories whose owner process is gone (an agent killed with SIGKILL)."""
+def remove_stale_dirs(root: Path, on_orphan: OnOrphan | None = None) -> list[Path]:
+    """Remove slot directories whose owner process is gone (an agent killed with SIGKILL), after
+    ``on_orphan(dir)`` (persisting the snapshots the dead owner held). The orphan's lock is held
+    meanwhile, so two processes starting at once never both rescue or remove it."""
     removed = []
     try:
         names = os.listdir(root)
@@ -221,25 +262,39 @@ def remove_stale_dirs(root: Path) -> list[Path]:
         return removed
     for name in names:
         path = Path(root) / name
-        if name.startswith(DIR_PREFIX) and path not in _owner_fds and _orphaned(path):
+        if not name.startswith(DIR_PREFIX) or path in _owner_fds:
+            continue
+        fd = _claim_orphan(path)
+        if fd is None:
+            continue
+        try:
+            if on_orphan is not None:
+                try:
+                    on_orphan(path)
+                except Exception as exc:  # a failed rescue is reported by the callback; clean up anyway
+                    log.warning("checkpoint: rescuing snapshots from %s failed: %s", path, exc)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+        finally:
+            if fd >= 0:
+                os.close(fd)
     return removed
 
 
-def _orphaned(path: Path) -> bool:
+def _claim_orphan(path: Path) -> int | None:
+    """The orphan's lock (an fd to close after removing it; -1 for a directory without one), or
+    None when the directory is alive."""
     try:
         fd = os.open(path / _OWNER, os.O_RDWR)
     except FileNotFoundError:
         # Not made by make_shm_dir (or still being made): fall back to the PID in the name.
-        pid = path.name[len(DIR_PREFIX) :].partition("-")[0]
-        return pid.isdigit() and not psutil.pid_exists(int(pid))
+        pid = owner_pid(path)
+        return -1 if pid is not None and not psutil.pid_exists(pid) else None
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False  # its owner holds the lock: alive
-    finally:
         os.close(fd)
-    return True
+        return None  # its owner holds the lock: alive
+    return fd

@@ -6,11 +6,15 @@ rank's two slot files there on its first ``trainguard.checkpoint.save``; the fil
 deaths (SIGKILL included) and the directory is removed when the agent closes. A background thread
 persists each new snapshot to ``--ckpt-dir`` (temp file, fsync, atomic rename, manifest with
 CRC32, newest ``--ckpt-keep`` kept). When workers fail, the newest complete snapshots are
-persisted before the restart (save at breakpoint).
+persisted before the restart (save at breakpoint). A directory left by an agent that died (SIGKILL)
+is found when the next agent starts on the node: the snapshots it held that are not on disk yet
+are persisted to its checkpoint dir before it is removed (``checkpoint_rescued``).
 
 Events: ``checkpoint_persisted`` (info), ``checkpoint_failed`` (error: disk full, unwritable
-directory...), and, relayed from workers, ``checkpoint_fallback`` (warning: newest checkpoint
-partial or corrupt, an older one loaded), ``checkpoint_loaded`` and ``checkpoint_skipped``.
+directory...), ``checkpoint_quarantined`` (warning: checkpoints that do not verify moved aside by
+pruning), ``checkpoint_rescued`` (warning), and, relayed from workers, ``checkpoint_fallback``
+(warning: newest checkpoint partial, corrupt or not loadable at this world size, an older one
+loaded), ``checkpoint_incompatible`` (error), ``checkpoint_loaded`` and ``checkpoint_skipped``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR
-from trainguard.checkpoint.persist import Persister
+from trainguard.checkpoint.persist import Persister, rescue_orphan
 from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
 from trainguard.evidence import RankFailure
 from trainguard.launch.monitor import Monitor, MonitorContext
@@ -61,8 +65,8 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ckpt-shm-dir", default=None,
                        help=f"tmpfs where in-memory snapshots live (default: {d.shm_root})")
     group.add_argument("--ckpt-overlap", action="store_true",
-                       help="copy CPU tensors of trainguard.checkpoint.save on a helper thread during the next "
-                            "forward/backward (the optimizer step waits for it); default: copy inside save")
+                       help="copy CPU tensors of trainguard.checkpoint.save on an idle-priority helper thread during "
+                            "the next forward/backward (the optimizer step waits for it); default: copy inside save")
     group.add_argument("--ckpt-write-limit", type=non_negative, default=None, metavar="MB_S",
                        help="cap the background persist rate in MB/s so it does not starve the job's I/O (0: none)")
 
@@ -88,26 +92,32 @@ class CheckpointMonitor(Monitor):
         self.ckpt_dir: Path | None = None
         self._persister: Persister | None = None
         self._ctx: MonitorContext | None = None
+        self._early: list[tuple[tuple[Any, ...], dict[str, Any]]] = []  # events before the first context
         self._lock = threading.Lock()
 
     # --- hooks -----------------------------------------------------------------------------------
     def worker_env(self, run_dir: Path) -> dict[str, str]:
         self._ensure_started(Path(run_dir))
         assert self.shm_dir is not None and self.ckpt_dir is not None
-        env = {ENV_SHM_DIR: str(self.shm_dir), ENV_CKPT_DIR: str(self.ckpt_dir), ENV_KEEP: str(self.keep)}
-        if self.overlap:
-            env[ENV_OVERLAP] = "1"
-        return env
+        return {ENV_SHM_DIR: str(self.shm_dir), ENV_CKPT_DIR: str(self.ckpt_dir), ENV_KEEP: str(self.keep),
+                ENV_OVERLAP: "1" if self.overlap else "0"}
 
     def on_before_start(self, ctx: MonitorContext) -> None:
         self._ctx = ctx
+        self._flush_early()
         return None
 
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._ctx = ctx
+        self._flush_early()
 
     def poll(self, ctx: MonitorContext) -> None:
         self._ctx = ctx  # the persist thread emits through the current context's bus
+        self._flush_early()
+        if self._persister is not None:
+            self._persister.boost_if_starved()
+            if ctx.workers:  # after a world-size change: free the old ranks' snapshots once unneeded
+                self._persister.drop_stale_slots({w.global_rank for w in ctx.workers}, ctx.world_size)
         return None
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> None:
@@ -150,7 +160,8 @@ class CheckpointMonitor(Monitor):
                     log.info("checkpoint: removed %d temp file(s) of interrupted persists", removed)
             except OSError as exc:  # reported on the first persist; snapshots still work in memory
                 log.warning("checkpoint: checkpoint dir %s not usable: %s", self.ckpt_dir, exc)
-            self.shm_dir = make_shm_dir(self.shm_root)
+            self.shm_dir = make_shm_dir(self.shm_root, info={"ckpt_dir": str(self.ckpt_dir.resolve()), "keep": self.keep},
+                                        on_orphan=lambda d: rescue_orphan(d, self._emit, keep=self.keep))
             self._persister = Persister(self.shm_dir, self.ckpt_dir, self.keep, self._emit,
                                         max_write_bytes_per_s=self.write_limit)
             self._persister.start()
@@ -180,8 +191,16 @@ class CheckpointMonitor(Monitor):
     def _emit(self, kind: str, message: str, severity: str = "info", rank: int | None = None,
               evidence: dict[str, Any] | None = None) -> None:
         ctx = self._ctx
-        if ctx is None:
+        if ctx is None:  # before the agent's first context: logged now, recorded when it comes
             level = {"info": logging.INFO, "warning": logging.WARNING}.get(severity, logging.ERROR)
             log.log(level, "[%s] %s", kind, message)
+            self._early.append(((kind, message), {"severity": severity, "rank": rank, "evidence": evidence}))
             return
+        self._flush_early()
         ctx.events.emit(kind, message, severity=severity, rank=rank, evidence=evidence)
+
+    def _flush_early(self) -> None:
+        ctx = self._ctx
+        while ctx is not None and self._early:
+            args, kwargs = self._early.pop(0)
+            ctx.events.emit(*args, **kwargs)
