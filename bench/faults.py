@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from trainguard.chaos import testbed  # noqa: E402
-from trainguard.events import Event, EventStore  # noqa: E402
+from trainguard.events import Event  # noqa: E402
+from trainguard.events.store import read_all  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 STEP = re.compile(r"\bstep=(\d+) rank=(\d+) t=([\d.]+)")
@@ -72,13 +73,7 @@ class Row:
 
 
 def events(run: Path) -> list[Event]:
-    if not (run / "events.db").exists():
-        return []
-    store = EventStore(run)
-    try:
-        return store.query()
-    finally:
-        store.close()
+    return read_all(run)  # every node's database of the run dir, merged
 
 
 def wait(cond, what: str, timeout: float = DEADLINE):
