@@ -406,10 +406,11 @@ class _Watch:
 
     def _gather(self, key: str) -> dict[int, RankView]:
         ctx = self.ctx
+        # The other nodes judge the same stall from their own samples and stacks (a window, a few
+        # py-spy dumps on busy machines): give their verdicts time to arrive.
+        wait = max(5.0, 3 * self.cfg.period) if key == HANG_VIEWS_KEY else max(10.0, 3 * self.cfg.period)
         try:
-            remote, progress = gather_views(
-                _client(ctx.store), ctx.restart_count, ctx.node_rank, ctx.nnodes, max(5.0, 3 * self.cfg.period), key
-            )
+            remote, progress = gather_views(_client(ctx.store), ctx.restart_count, ctx.node_rank, ctx.nnodes, wait, key)
         except Exception as exc:
             log.warning("hang: could not read the other nodes' stacks: %s", exc)
             return {}
