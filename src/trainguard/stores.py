@@ -60,6 +60,18 @@ def is_loopback(addr: str) -> bool:
     return addr in ("localhost", "::1") or addr.startswith("127.")
 
 
+def reaches_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback: a node name that
+    /etc/hosts maps to 127.0.0.1 (nodes simulated on one machine, as Slurm test beds do) is."""
+    if is_loopback(host):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return any(is_loopback(str(info[4][0])) for info in infos)
+
+
 def bound_store(addr: str, port: int = 0, timeout_s: float = 300, multi_tenant: bool = False) -> Any:
     """A TCPStore server listening on ``addr`` only (port 0: a free one; ``.port`` tells which)."""
     from torch.distributed import TCPStore

@@ -34,7 +34,7 @@ from trainguard.launch.pool import WorkerPool
 from trainguard.policy import Decision, PolicySettings
 from trainguard.schedulers import adapter as scheduler
 from trainguard.schedulers import slurm
-from trainguard.stores import JobKey, address_toward, bound_store, is_loopback
+from trainguard.stores import JobKey, address_toward, bound_store, is_loopback, reaches_loopback
 
 log = logging.getLogger("trainguard")
 
@@ -258,7 +258,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         config.run_id = str(uuid.uuid4())
     rdzv_server = _loopback_rendezvous(config) if single else _host_rendezvous(config)
     advertise = advertise_address(config, single)
-    if config.max_nodes > 1 and is_loopback(advertise) and not is_loopback(_endpoint_host(config) or "localhost"):
+    if config.max_nodes > 1 and is_loopback(advertise) and not reaches_loopback(_endpoint_host(config) or "localhost"):
         print(
             f"trainguard run: error: this node's address for the other nodes would be {advertise} (loopback) "
             f"while the rendezvous endpoint {config.rdzv_endpoint} is not: give --local-addr",

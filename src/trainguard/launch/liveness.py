@@ -136,16 +136,28 @@ class LivenessMonitor(Monitor):
             return None
         since = time.monotonic()
         deadline = since + self.settings.lost_after_s + 2 * self.settings.interval_s + 1
+        # A node is alive when its counter moves after a baseline read well after the failure: a
+        # beat it sent just before dying is only *seen* at our next read, after the failure, and
+        # must not count (that race kept a SIGKILLed node from being named).
+        baseline: dict[int, int] | None = None
         while time.monotonic() < deadline:
             late = self._late()
             if late:
                 return self._lost(ctx, late)
             with self._lock:
-                beat_again = all(moved > since for count, moved in self._seen.values() if count >= 0)
-            if beat_again and len(self._seen) >= ctx.nnodes - 1:
+                counts = {n: count for n, (count, _) in self._seen.items() if count >= 0}
+            if baseline is None:
+                if time.monotonic() - since >= 1.5 * self.settings.interval_s:
+                    baseline = counts
+            elif len(baseline) >= ctx.nnodes - 1 - self._done() and all(counts.get(n, c) > c for n, c in baseline.items()):
                 return None  # every other agent is alive: a worker failed somewhere, not a node
             time.sleep(self.settings.interval_s / 2)
         return None
+
+    def _done(self) -> int:
+        """Nodes that said they finished (never lost)."""
+        with self._lock:
+            return sum(1 for count, _ in self._seen.values() if count < 0)
 
     def _late(self) -> dict[int, float]:
         """node rank -> seconds silent, for nodes silent at least --node-lost-after (done ones excepted)"""
