@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from trainguard.evidence import (
     CheckOutcome,
     Diagnosis,
@@ -167,6 +169,8 @@ class MonitorSet:
     def call(self, monitor: Monitor, hook: str, *args: Any) -> Any:
         try:
             return getattr(monitor, hook)(*args)
+        except SignalException:  # SIGTERM/USR1 reached the agent while a monitor ran: the stop goes on
+            raise
         except Exception as exc:  # a monitor can never kill the job
             key = (monitor.name, hook)
             if key not in self._errors:
