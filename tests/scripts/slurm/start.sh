@@ -27,6 +27,9 @@ SlurmdUser=root
 SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job may start again only after the credentials of its previous run expire (Slurm
+# holds it cred_expire + 1 s; 120 s by default): short here so the requeue tests need not force it.
+AuthInfo=cred_expire=10
 StateSaveLocation=$BASE/state/ctld
 SlurmdSpoolDir=$BASE/state/d/%n
 SlurmctldPidFile=$BASE/run/slurmctld.pid
