@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,12 @@ def jobs(tmp_path):
         job.kill()
     for p in processes_of(tmp_path):
         kill_tree(p.pid)
+
+
+@pytest.fixture
+def shm_root():
+    """A private tmpfs directory for checkpoint snapshots (never the shared /dev/shm itself)."""
+    root = Path("/dev/shm") / f"tg-ckpt-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -29,14 +27,6 @@ from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
 
 WORKER = SCRIPTS / "checkpoint_worker.py"
 AGENT = SCRIPTS / "checkpoint_agent.py"
-
-
-@pytest.fixture
-def shm_root():
-    root = Path("/dev/shm") / f"tg-ckpt-test-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 class Workers:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 import zlib
 from pathlib import Path
 
@@ -21,14 +19,6 @@ from trainguard.checkpoint.format import FORMAT
 from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
 
 SEAL = b"\ntrainguard-manifest-crc32="
-
-
-@pytest.fixture
-def shm_root():
-    root = Path("/dev/shm") / f"tg-ckpt-test-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.slow

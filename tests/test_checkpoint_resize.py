@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,6 @@ from trainguard.checkpoint import disk
 pytestmark = pytest.mark.slow
 WORKER = SCRIPTS / "checkpoint_worker.py"
 RESHARD = SCRIPTS / "checkpoint_reshard.py"
-
-
-@pytest.fixture
-def shm_root():
-    root = Path("/dev/shm") / f"tg-ckpt-test-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def port_open(port: int) -> bool:
