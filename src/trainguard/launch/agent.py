@@ -187,7 +187,8 @@ class TrainguardAgent(LocalElasticAgent):
     def _join_run(self, wg: WorkerGroup) -> None:
         """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
         first = self.run_info is None
-        self.run_info = runs.agree(wg.store, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
+        base = torch_compat.rendezvous_base_store(wg.spec.rdzv_handler, wg.store)
+        self.run_info = runs.agree(base, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
         if first:
             self.attempt = self.run_info.first_attempt - 1  # _before_start counts the first attempt
             log.info("run %s: attempts from %d (logs/attempt-%d)", self.run_info.run_id, self.run_info.first_attempt,
