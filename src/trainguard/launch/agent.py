@@ -28,7 +28,7 @@ from torch.distributed.elastic.utils import macros
 from trainguard import policy, torch_compat
 from trainguard.events import EventBus, Severity
 from trainguard.evidence import RankFailure
-from trainguard.launch import failures, runs
+from trainguard.launch import failures, runs, stopsignal
 from trainguard.launch.monitor import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.launch.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
 from trainguard.launch.peers import Peers
@@ -386,6 +386,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     # ---- monitoring -------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        stopsignal.raise_pending()  # a stop signal swallowed since the last poll (see stopsignal)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             return self._poll_monitors(worker_group, result)

@@ -27,7 +27,7 @@ from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
 from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
-from trainguard.launch import console, hold, keeper, logs, plugins, runlock
+from trainguard.launch import console, hold, keeper, logs, plugins, runlock, stopsignal
 from trainguard.launch.agent import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
@@ -176,7 +176,9 @@ def _raise_signal(signum: int, frame: object) -> None:
     # SIGTERM when another node requeues the job) must not interrupt the stopping it started.
     for sig in scheduler.STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+    exc = SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+    stopsignal.record(exc)  # raised again by the agent's loop should a broad except swallow it
+    raise exc
 
 
 def _install_signal_handlers() -> None:
@@ -389,6 +391,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
             code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:
+        stopsignal.handled()
         shutdown_rdzv = False
         if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
             sched.on_preempted(exc.sigval, node)

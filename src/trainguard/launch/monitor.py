@@ -36,6 +36,7 @@ from trainguard.evidence import (
     RankFailure,
     RunningEvidence,
 )
+from trainguard.launch import stopsignal
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -168,7 +169,7 @@ class MonitorSet:
 
     def call(self, monitor: Monitor, hook: str, *args: Any) -> Any:
         try:
-            return getattr(monitor, hook)(*args)
+            got = getattr(monitor, hook)(*args)
         except SignalException:  # SIGTERM/USR1 reached the agent while a monitor ran: the stop goes on
             raise
         except Exception as exc:  # a monitor can never kill the job
@@ -182,7 +183,9 @@ class MonitorSet:
                     severity="warning",
                     evidence={"monitor": monitor.name, "hook": hook, "error": repr(exc)},
                 )
-            return None
+            got = None
+        stopsignal.raise_pending()  # a stop signal the monitor's own broad except swallowed
+        return got
 
     def each(self, hook: str, *args: Any) -> Iterator[Any]:
         """What each monitor's ``hook`` returned, skipping None (lazily: stop when you have enough)."""
