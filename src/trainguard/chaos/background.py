@@ -80,6 +80,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def main(spec: dict[str, Any]) -> None:
+    from trainguard.chaos import event_db
     from trainguard.events import EventBus, EventStore
 
     signal.signal(signal.SIGTERM, _on_term)
@@ -100,7 +101,7 @@ def main(spec: dict[str, Any]) -> None:
                 os.unlink(spec["file"])
         for cmd in spec.get("revert", []):
             _run(cmd)
-        store = EventStore(Path(spec["run_dir"]))
+        store = EventStore(event_db(spec["run_dir"]))
         EventBus(store, node=spec["node"]).emit(
             "chaos_reverted", f"chaos {fault} on {spec['node']} reverted {detail}".strip(),
             evidence={"fault": fault, "injection": spec["id"]},
