@@ -140,6 +140,7 @@ class HangEvidence:
     level: str = "detected"  # "suspected" | "detected"
     progress: str = ""  # the culprit's progress kind (detect.progress): progressing busy idle stopped stalled gone
     doing: str = ""  # what the culprit was doing, in words
+    recorded_by: str = ""  # the node that recorded the verdict (one for the whole job on several nodes)
 
     @property
     def progressing(self) -> bool:
