@@ -71,6 +71,8 @@ def test_hang_one_verdict_for_the_job(jobs, tmp_path: Path, fault: str, culprit:
     other = nodes[f"node{1 - culprit}"]
     assert "all_reduce" in other["ranks"][str(1 - culprit)]["position"], other  # the other rank waited for it
     assert other["culprit"] in (None, culprit)  # alone it cannot tell; never another rank
+    report = Path(ev.evidence["report"]).read_text()
+    assert "nodes (what each node saw):" in report and "node1 (node rank 1, " in report, report
     if ev.node != f"node{culprit}":  # named from the other node's stacks
         assert "on another node" in ev.evidence["reason"]
         assert "hang_worker.py" in "".join(ev.evidence["stack"])

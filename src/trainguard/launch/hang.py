@@ -566,7 +566,7 @@ class _Watch:
         report = None
         try:
             report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, shown, verdict, dumps,
-                                                          self.remote_views, level))  # fmt: skip
+                                                          self.remote_views, level, nodes or {}))  # fmt: skip
         except OSError as exc:  # a full disk must not stop the restart
             log.error("could not write the hang report: %s", exc)
         culprit = sv.culprit
