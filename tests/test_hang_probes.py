@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from tgtest import wait_for
@@ -224,5 +225,62 @@ def test_hang_one_verdict_for_the_job_first_writer_wins() -> None:
         assert HangExchange(store, "a4/", 2, 3).verdict() is None  # another attempt's keys
         assert ex[2].claim_suspicion("10") and not ex[0].claim_suspicion("10")
         assert ex[0].claim_suspicion("11")  # the next stall is another incident
+    finally:
+        del store
+
+
+def test_hang_claimer_gone_a_waiting_node_judges_and_one_verdict_stands(tmp_path: Path) -> None:
+    """The node that claimed the incident never gives a verdict (its agent stopped): the waiting
+    node judges it after its bounded wait, from both nodes' declarations, and records the one
+    hang_detected; when the claimer comes back and judges too, the first verdict stands and it
+    records nothing (its report is removed)."""
+    import time
+
+    from torch.distributed import TCPStore
+
+    from trainguard.detect.culprit import RankView, find_culprit
+    from trainguard.detect.hang import Assessment, HangConfig
+    from trainguard.detect.progress import StallVerdict
+    from trainguard.events import EventBus
+    from trainguard.launch.hang_exchange import HangExchange, NodeViews
+    from trainguard.launch.monitor import MonitorContext, StepTracker
+    from trainguard.probes.stacks import Frame
+
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    views = {0: {0: RankView(0, "S", (Frame("all_reduce", c10d, 3252), Frame("main", "/job/train.py", 96)))},
+             1: {1: RankView(1, "S", (Frame("sleep_forever", "/job/train.py", 40), Frame("main", "/job/train.py", 95)))}}  # fmt: skip
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    recorded: list = []
+
+    def watch(n: int, store: TCPStore) -> hang_monitor._Watch:
+        bus = EventBus(None, f"node{n}")
+        bus.subscribe(recorded.append)
+        ctx = MonitorContext(tmp_path, f"node{n}", n, 2, 1, 2, 0, [], bus, StepTracker(), store=store.clone(),
+                             rdzv_backend="c10d")  # fmt: skip
+        w = hang_monitor._Watch(ctx, HangConfig(period=0.2), {}, None)
+        w.exchange, w.gather_wait, w.last_views = HangExchange.for_ctx(ctx), 0.3, views[n]
+        return w
+
+    def stall(w: hang_monitor._Watch) -> tuple:
+        verdict = find_culprit(w.last_views, nnodes=2)
+        return (time.time(), Assessment(False, "", "", {}, stall=12.0), StallVerdict("detected", verdict.rank, "steps", verdict.reason),
+                verdict, {})  # fmt: skip
+
+    try:
+        late, waiting = watch(1, store), watch(0, store)
+        assert late.exchange is not None and late.exchange.claim()  # node1 claims, then its agent stops
+        late.exchange.publish(NodeViews.of(late.ctx, views[1], find_culprit(views[1], nnodes=2), {1: "idle"}, declared=True))
+        found = waiting._conclude(*stall(waiting))
+        assert found is not None and found.rank == 1 and found.recorded_by == "node0"
+        assert [(e.kind, e.node, e.rank) for e in recorded] == [("hang_detected", "node0", 1)]
+        assert set(recorded[0].evidence["nodes"]) == {"node0", "node1"}
+        assert recorded[0].evidence["nodes"]["node1"]["culprit"] == 1
+        # node1 comes back and judges its claim: node0's verdict stands, node1 records nothing
+        now, a, sv, verdict, _ = stall(late)
+        mine = NodeViews.of(late.ctx, views[1], verdict, {}, declared=True)
+        adopted = late._judge_for_job(now, a, sv, verdict, {}, mine, 0.0)
+        assert adopted is not None and adopted.recorded_by == "node0" and adopted.rank == 1
+        assert len(recorded) == 1
+        assert [p.name for p in tmp_path.glob("hang-*.txt")] == [Path(found.report).name]  # node1's report removed
     finally:
         del store

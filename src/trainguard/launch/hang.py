@@ -9,7 +9,9 @@ rank's stack every ``stack_every`` seconds; detect.progress judges each rank's p
 window and the stall: ``hang_suspected`` (warning: the candidate is busy and progressing; the watch
 goes on, ``hang_cleared`` when steps resume) or ``hang_detected`` (no progress, or no step for
 ``--hang-detect-time``). Both are recorded with the evidence and a readable report in the run dir
-and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides).
+and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides). On several
+nodes the job gets one verdict per incident, recorded by one agent with every node's view and
+acted on by all (launch/hang_exchange.py).
 """
 
 from __future__ import annotations
@@ -479,7 +481,7 @@ class _Watch:
             return self._record(now, a, sv, verdict, progress)
         if agreed is not None:
             return self._adopt(agreed)
-        log.warning("hang: the node that claimed this hang gave no verdict in %.0fs: judging it here", wait)
+        log.warning("hang: the node that claimed this hang gave no verdict in %.1fs: judging it here", wait)
         return self._judge_for_job(now, a, sv, verdict, progress, mine, 0.0)
 
     def _judge_for_job(
