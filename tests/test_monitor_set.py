@@ -72,3 +72,18 @@ def test_a_stop_signal_swallowed_inside_a_monitor_is_raised_again(tmp_path, monk
         assert list(monitors.each("poll", None)) == []
     finally:
         store.close()
+
+
+def test_failure_findings_carry_the_jobs_hang_verdict():
+    """A hang verdict a monitor hands over with a failure reaches the policy beside the others'."""
+    from trainguard.evidence import HangEvidence
+    from trainguard.launch.monitor import FailureFindings
+
+    class Verdict(Monitor):
+        name = "hang"
+
+        def on_workers_failed(self, ctx, failures):
+            return HangEvidence(1, "steps", "rank 1 is stopped", recorded_by="node1")
+
+    found = MonitorSet([Broken(), Verdict()], EventBus(None, node="n0")).on_workers_failed(None, {})
+    assert found == FailureFindings(hang=HangEvidence(1, "steps", "rank 1 is stopped", recorded_by="node1"))

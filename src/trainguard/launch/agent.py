@@ -442,6 +442,7 @@ class TrainguardAgent(LocalElasticAgent):
                 torch_compat.remaining_restarts(self),
                 found.diagnosis if found else None,
                 found.hardware if found else None,
+                found.hang if found else None,
             )
         except Exception as exc:  # the policy failing must not take the job with it
             log.exception("policy failed")
