@@ -56,6 +56,19 @@ def test_run_id_is_agreed_through_an_etcd_store(etcd, tmp_path):
     assert late == first and late.first_attempt == 0
 
 
+def test_first_writer_claims_work_on_an_etcd_store(etcd, tmp_path):
+    """The hang verdict and the run id are claimed first-writer-wins: on EtcdStore too."""
+    import etcd as etcd_client
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+    from trainguard.launch import exchange
+
+    stores = [EtcdStore(etcd_client.Client(host=etcd.host, port=etcd.port), f"/tg-claim/{tmp_path.name}",
+                        timeout=datetime.timedelta(seconds=30)) for _ in range(2)]  # fmt: skip
+    assert exchange.first_writer(stores[0], "verdict", "node0") == (True, b"node0")
+    assert exchange.first_writer(stores[1], "verdict", "node1") == (False, b"node0")
+
+
 @pytest.mark.slow
 def test_job_survives_the_loss_of_its_first_node(jobs, etcd, tmp_path):
     """Three nodes; the node that is group rank 0 is SIGKILLed with its workers. The other two

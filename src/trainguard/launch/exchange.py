@@ -45,7 +45,21 @@ def wait_for(store: Any, keys: list[str], wait_s: float) -> list[str]:
 
 def first_writer(store: Any, key: str, value: str) -> tuple[bool, bytes]:
     """Write ``value`` under ``key`` unless another agent wrote there first (atomic in the store):
-    (whether this value is the one that stands, the value that stands)."""
-    stood = store.compare_set(key, "", value)
+    (whether this value is the one that stands, the value that stands).
+
+    Stores without ``compare_set`` (torch's ``EtcdStore`` of an etcd rendezvous) agree through
+    ``add`` instead: the first to count 1 writes, the others wait (bounded by the store's timeout)
+    for what it wrote."""
+    try:
+        stood = store.compare_set(key, "", value)
+        return stood == value.encode(), stood
+    except RuntimeError as exc:  # torch raises a bare "Not implemented" for a Python store without it
+        if "not implemented" not in str(exc).lower():
+            raise
+    if store.add(f"{key}/claims", 1) == 1:
+        store.set(key, value)
+        return True, value.encode()
+    store.wait([key])  # the claimer writes right after its add
+    stood = store.get(key)
     return stood == value.encode(), stood
 

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.launch import exchange
+
 log = logging.getLogger(__name__)
 
 RUN_KEY = "trainguard/run"
@@ -73,22 +75,9 @@ def agree(store: Any, run_dir: Path, mine: RunInfo | None, job: str = "") -> Run
         return offer
     key = f"{RUN_KEY}/{job}"
     try:
-        agreed = RunInfo.from_json(_first_writer(store, key, offer.to_json()))
+        agreed = RunInfo.from_json(exchange.first_writer(store, key, offer.to_json())[1])
     except Exception as exc:  # the store is gone or refuses: the scan alone keeps runs apart
         log.info("run id not agreed through the store (%s): using this node's own", exc)
         return offer
     return mine or agreed
 
-
-def _first_writer(store: Any, key: str, value: str) -> bytes:
-    """The value of ``key`` the first node to offer one wrote (``value`` when that is us)."""
-    try:
-        return store.compare_set(key, "", value)
-    except RuntimeError as exc:  # torch raises a bare "Not implemented" for a Python store without it
-        if "not implemented" not in str(exc).lower():
-            raise
-    if store.add(f"{key}/claims", 1) == 1:
-        store.set(key, value)
-        return value.encode()
-    store.wait([key])  # bounded by the store's timeout; the claimer writes right after its add
-    return store.get(key)
