@@ -160,6 +160,36 @@ def test_rendezvous_bootstrap_cache_is_DynamicRendezvousHandler__bootstrap_store
     C.forget_rendezvous_bootstrap(object())  # other handlers: nothing to forget
 
 
+def test_rendezvous_records_use_dynamic_rendezvous_get_method_name_and_delay(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    assert callable(getattr(dr, "get_method_name", None)), "torch removed dynamic_rendezvous.get_method_name"
+    original = dr.get_method_name
+    monkeypatch.setattr(dr, "get_method_name", original)  # restored after the test
+
+    def caller_of_record():
+        def record():
+            return dr.get_method_name()
+        return record()
+
+    expected = caller_of_record()
+    assert expected == "caller_of_record"
+    assert C.cheap_rendezvous_records()
+    assert dr.get_method_name is not original and caller_of_record() == expected  # same answer, no inspect.stack()
+
+    assert callable(getattr(dr, "_delay", None)), "torch removed dynamic_rendezvous._delay"
+    delay = dr._delay
+    with C.first_round_delay_skipped():
+        assert dr._delay is not delay and dr._delay(seconds=(5, 5)) is None  # returns at once
+    assert dr._delay is delay
+    h = handler()
+    try:
+        h.next_rendezvous()
+        assert h._state_holder.state.round == 0, "torch's state is still round 0 before the first restart"
+    finally:
+        h.shutdown()
+
+
 def test_rendezvous_base_store_is_DynamicRendezvousHandler__store():
     h = handler()
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.peers = Peers(bus.node, self.job_key, on_rejected=self._rejected_write)
         # torch's per-round shared store (unused by our workers) would listen on every interface
         torch_compat.bind_rendezvous_shared_store(spec.rdzv_handler, lambda addr, port: bound_store(self.advertise_addr, port))
+        torch_compat.cheap_rendezvous_records()  # a restart's rendezvous round in ms, not tens of ms
         self.steps = StepTracker()
         self.attempt = -1  # every (re)start, membership changes included; numbered across the run dir's runs
         self.run_info: runs.RunInfo | None = None  # this run of the run dir (see launch/runs.py)
@@ -110,6 +112,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.stop_decision: Decision | None = None
         self._worker_store: Any = None
         self._last_call_s: float | None = None  # the user's last call while a shorter one is set
+        self._warmed = False
 
     # ---- carrying out decisions ---------------------------------------------------------------
     def carry_out(self, d: Decision, *, before_start: bool = False, made_here: bool = True) -> None:
@@ -176,7 +179,11 @@ class TrainguardAgent(LocalElasticAgent):
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
-        super()._rendezvous(worker_group)
+        if self.run_info is None:  # the first join: torch's skew between nodes joining at once
+            super()._rendezvous(worker_group)
+        else:
+            with torch_compat.first_round_delay_skipped():
+                super()._rendezvous(worker_group)
         self._join_run(worker_group)
         if self._last_call_s is not None:  # a round after a membership change has formed: back to the user's wait
             torch_compat.set_last_call(worker_group.spec.rdzv_handler, self._last_call_s)
@@ -358,6 +365,9 @@ class TrainguardAgent(LocalElasticAgent):
             },
         )
         self.monitors.notify("on_workers_started", self.ctx)
+        if not self._warmed:  # while the workers start, not on the first failure's way to a restart
+            self._warmed = True
+            threading.Thread(target=failures.warm, name="tg-warm", daemon=True).start()
         return pids
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

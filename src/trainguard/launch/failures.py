@@ -80,6 +80,12 @@ def early_exits(result: RunResult, procs: TrainguardPContext | None) -> dict[int
     return out
 
 
+def warm() -> None:
+    """Load the diagnosis rules and compile their scanner now (tens of ms), so that the first
+    failure of the job is not the one to pay for it on its way to the restart."""
+    classify_text(["RuntimeError: trainguard warm-up line"])
+
+
 def lost_peer(f: RankFailure) -> bool:
     """A failure that only reports losing a peer (which failed before it)."""
     # The diagnosis rules say which lines mean "lost a peer" (gloo, NCCL, c10d store): one source.
