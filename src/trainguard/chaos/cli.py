@@ -5,7 +5,9 @@ tree with --what node), stop / cont (SIGSTOP / SIGCONT a rank or a node's worker
 load of --percent sharing the rank's core for --duration s, as seed 004's chaos experiment),
 fill-disk (fill --path up to --size MB or --leave-mb free, for --duration s, then delete it),
 corrupt-ckpt (overwrite bytes in the middle of the newest trainguard.checkpoint step in
---ckpt-dir), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
+--ckpt-dir), hang (the rank blocks before its next collective, at its call site, while the others
+wait in theirs; released after --duration s if given, else held until the job restarts the rank;
+needs trainguard's worker hooks, chaos/hold.py), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
 (link down), net-delay / net-loss (tc netem; kernels without the netem qdisc get a clear error).
 Lasting faults are held by a detached process and reverted after --duration (bounded).
 Every injection is recorded as a ``chaos_injected`` event on the target node, so reports join
@@ -28,15 +30,19 @@ from typing import Any
 
 import psutil
 
-from trainguard.chaos import background
+from trainguard.chaos import background, hold
 from trainguard.chaos.targets import Target, TargetError, resolve
 from trainguard.events import EventBus, EventStore
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.options import positive
 from trainguard.view.rundir import NotARunDir, check_run_dir
 
-FAULTS = ["kill", "stop", "cont", "slow", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss"]
+FAULTS = ["kill", "stop", "cont", "slow", "hang", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss"]
 NET_FAULTS = ("net-cut", "net-delay", "net-loss")
+
+
+DEFAULT_DURATION_S = 30.0
+HOLD_ANSWER_S = 20.0  # the agent answers a hold request within a tick (0.2 s); generous for loaded machines
 
 
 class ChaosError(Exception):
@@ -52,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what", choices=["worker", "agent", "node"], default=None,
                    help="kill: the rank's worker (default with --rank), the node's agent, or the node's whole "
                         "process tree (default with --node)")  # fmt: skip
-    p.add_argument("--duration", type=positive, default=30.0, help="seconds a lasting fault is held (default 30, at most 3600)")
+    p.add_argument("--duration", type=positive, default=None,
+                   help=f"seconds a lasting fault is held (default {DEFAULT_DURATION_S:g}; hang: until the job restarts the "
+                        f"rank), at most {background.MAX_DURATION_S:g}")  # fmt: skip
     p.add_argument("--percent", type=positive, default=90.0, help="slow: CPU load in %% of the rank's core (default 90)")
     p.add_argument("--path", type=Path, help="fill-disk: a directory on the disk to fill")
     p.add_argument("--size-mb", type=positive, default=1024.0, help="fill-disk: write at most this much (default 1024)")
@@ -93,6 +101,29 @@ def _slow(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, An
     cpu = psutil.Process(pid).cpu_num()
     spec.update(cpu=cpu, percent=min(args.percent, 100.0))
     return {"cpu": cpu, "percent": spec["percent"], "holder": background.start(spec, _log(run_dir, spec))}
+
+
+def _hang(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Ask the rank's agent to hold it (chaos/hold.py) and wait for its answer."""
+    if t.rank is None:
+        raise ChaosError("hang needs --rank")
+    req = hold.HoldRequest(spec["id"], t.rank, t.workers[t.rank])
+    hold.request(run_dir, req)
+    deadline = time.monotonic() + HOLD_ANSWER_S
+    while (answer := hold.answered(run_dir, t.rank, req.id)) is None:
+        if time.monotonic() > deadline:
+            hold.withdraw(run_dir, t.rank, req.id)
+            hold.ack_path(run_dir, t.rank).unlink(missing_ok=True)  # a late answer
+            raise ChaosError(f"node {t.node}'s agent did not answer the hold of rank {t.rank} within {HOLD_ANSWER_S:g}s")
+        time.sleep(0.1)
+    if not answer["held"]:
+        hold.withdraw(run_dir, t.rank, req.id)
+        raise ChaosError(f"cannot hang rank {t.rank}: {answer['why']}")
+    detail: dict[str, Any] = {"pid": req.pid, "duration": args.duration}
+    if args.duration is not None:  # a holder releases it; without one the hold ends with the worker
+        spec.update(rank=t.rank)
+        detail["holder"] = background.start(spec, _log(run_dir, spec))
+    return detail
 
 
 def _fill_disk(args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
@@ -163,12 +194,14 @@ def inject(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, A
     t = resolve(run_dir, rank=args.rank, node=args.node)
     fault = args.fault
     spec = {"id": f"{int(time.time())}-{secrets.token_hex(3)}", "fault": fault, "run_dir": str(run_dir),
-            "node": t.node, "duration": min(args.duration, background.MAX_DURATION_S)}  # fmt: skip
+            "node": t.node, "duration": min(args.duration or DEFAULT_DURATION_S, background.MAX_DURATION_S)}  # fmt: skip
     if fault == "kill":
         return t, _kill(t, args.what or ("worker" if t.rank is not None else "node"))
     if fault in ("stop", "cont"):
         sig = signal.SIGSTOP if fault == "stop" else signal.SIGCONT
         return t, {"signal": sig.name, "pids": _signal(list(t.workers.values()), sig)}
+    if fault == "hang":
+        return t, _hang(t, args, run_dir, spec)
     if fault == "slow":
         return t, {**_slow(t, args, run_dir, spec), "duration": spec["duration"]}
     if fault == "fill-disk":
