@@ -10,7 +10,7 @@ import psutil
 import pytest
 from tgtest import EXAMPLE, SCRIPTS, events, rank_log, trainguard_cmd, wait_event, wait_for, wait_log
 
-from trainguard.chaos import hold
+from trainguard.chaos import hold, testbed
 
 pytestmark = pytest.mark.slow
 
@@ -131,3 +131,46 @@ def test_chaos_hang_needs_the_worker_hooks(jobs, tmp_path):
     bad = chaos(run, "hang", "--node", events(run, "job_started")[0].node)
     assert bad.returncode == 2 and "hang needs --rank" in bad.stderr
     job.kill()
+
+
+@pytest.mark.skipif(testbed.available() is not None, reason=str(testbed.available()))
+def test_chaos_net_loss_and_net_slow_revert_cleanly(jobs, tmp_path):
+    """A node in its own network namespace: net-loss (netem, else a random-drop iptables rule) and
+    net-slow (a tbf thin link) change its interface while held and leave nothing after."""
+    run = tmp_path / "run"
+    with testbed.Testbed(1) as bed:
+        [node] = bed.nodes
+        inside = [*node.exec_prefix()]
+        job = jobs("run", "--standalone", "--nproc-per-node", "1", "--run-dir", run, "--node-name", "n1", "--precheck", "off",
+                   "--quiet", EXAMPLE, "--steps", "100000", "--step-time-ms", "30", prefix=inside)  # fmt: skip
+        wait_event(run, "job_started")
+
+        def shown() -> str:
+            tc = subprocess.run([*inside, "tc", "qdisc", "show", "dev", node.ifname], capture_output=True, text=True)
+            ipt = subprocess.run([*inside, "iptables", "-S", "OUTPUT"], capture_output=True, text=True)
+            return tc.stdout + ipt.stdout
+
+        clean = shown()
+        done = chaos(run, "net-loss", "--node", "n1", "--loss", "30", "--duration", "600")
+        assert done.returncode == 0, done.stderr
+        loss = events(run, "chaos_injected")[-1].evidence
+        assert loss["how"] in ("netem", "iptables") and loss["dev"] == node.ifname
+        if loss["how"] == "iptables":
+            assert "trainguard-chaos-" in shown() and "--probability 0.29" in shown(), shown()
+        else:
+            assert "netem" in shown() and "loss 30%" in shown(), shown()
+        psutil.Process(loss["holder"]).terminate()  # the holder reverts on SIGTERM
+        wait_event(run, "chaos_reverted", pred=lambda e: e.evidence["fault"] == "net-loss")
+        assert shown() == clean
+
+        done = chaos(run, "net-slow", "--node", "n1", "--rate-kbit", "500", "--duration", "1")
+        assert done.returncode == 0, done.stderr
+        slow = events(run, "chaos_injected")[-1].evidence
+        assert slow["how"] == "tbf" and "tbf" in shown() and "rate 500Kbit" in shown()
+        wait_event(run, "chaos_reverted", pred=lambda e: e.evidence["fault"] == "net-slow")
+        assert shown() == clean
+
+        bad = chaos(run, "net-loss", "--node", "n1", "--loss", "150")
+        assert bad.returncode == 2 and "at most 100" in bad.stderr and bad.stderr.count("\n") == 1
+        assert shown() == clean
+        job.kill()
