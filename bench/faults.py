@@ -64,9 +64,12 @@ FAULTS: dict[str, tuple[int, list[str]]] = {
     "net-slow": (3, ["net-slow", "--node", "n3", "--duration", "600"]),  # --rate-kbit: the bench's
 }
 SLOW = ("net-delay", "net-loss", "net-slow")  # expected: slow, not dead
-# Measured to make n3 clearly slow but not cut off (README, "Fault matrix").
-LOSS_PCT = 20.0
-RATE_KBIT = 1000.0
+# Measured (2026-11-23, this VM, rank 0's median step time under the fault / before it): loss 20 %
+# x1.6, 40 % x1.8, 60 % n3 missed its heartbeats for 4 s (node_lost: as good as cut); tbf
+# 1000 kbit x2.8, 500 kbit x4.1, 300 kbit x4.1. Chosen: clearly slow (the slowdown monitor says
+# so), well short of cut off.
+LOSS_PCT = 30.0
+RATE_KBIT = 500.0
 NOTICED = ("slowdown_detected", "straggler_detected")
 
 

@@ -16,6 +16,9 @@
   ``_register_builtin_comm_hook`` swaps the inner hook instead of failing. A rank that waits for a
   straggler therefore shows long Communication; the straggler itself shows short. Async
   collectives (``async_op=True``) are timed to their launch only.
+- ``trainguard chaos hang``: the collective wrappers and the DDP comm hook read the ring's flag
+  word once per call anyway; while the agent sets FLAG_HOLD there, the rank blocks at that call
+  (``chaos_hang_before_collective``) before the collective starts.
 - SaveCheckpoint: ``torch.save`` and ``torch.distributed.checkpoint.save`` (and ``async_save``,
   to its launch), outermost call only.
 
