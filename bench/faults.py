@@ -1,5 +1,9 @@
 """The fault matrix: three "nodes" in network namespaces (own address each, no host-name
-resolution), elastic --nnodes 2:3, c10d rendezvous on node 1, trainguard.checkpoint every step.
+resolution), elastic --nnodes 2:3, trainguard.checkpoint every step. The rendezvous is c10d on node 1
+(the default), except for store-host-kill: c10d's store lives on the node that hosts it and dies
+with it, so that case runs torch's etcd rendezvous (`--rdzv-backend etcd-v2`) against a real etcd
+server in a fourth namespace and kills the node of group rank 0 (the one hosting the round's
+workers' store); `--rdzv c10d` runs it on c10d instead (which does not survive it).
 Each fault is injected with `trainguard chaos` into a job that trains; one row per fault:
 
   verdict            what the surviving agents decided (their first node_lost / policy event)
@@ -16,9 +20,9 @@ straggler_detected), nothing declared node_lost, <= 1 step lost.
     sudo python bench/faults.py                       # every fault
     sudo python bench/faults.py --faults kill-node,net-cut
 
-Needs root (network namespaces) and iproute2 (and iptables for net-loss where the kernel lacks the
-netem qdisc). net-delay runs only where the kernel has netem; elsewhere its row says so and it is
-not counted.
+Needs root (network namespaces) and iproute2; store-host-kill needs etcd-server and python-etcd;
+net-loss needs iptables where the kernel lacks the netem qdisc. net-delay runs only where the kernel
+has netem; elsewhere its row says so and it is not counted.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainguard.chaos import testbed  # noqa: E402
+from trainguard.chaos import etcd_server, testbed  # noqa: E402
 from trainguard.events import Event  # noqa: E402
 from trainguard.events.store import read_all  # noqa: E402
 
@@ -151,6 +155,10 @@ def _slow_verdict(run: Path, t0: float) -> str:
 def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
     row = Row(fault)
     victim, chaos_args = FAULTS[fault]
+    backend = args.rdzv if args.rdzv != "auto" else ("etcd-v2" if fault == "store-host-kill" else "c10d")
+    if backend == "etcd-v2" and etcd_server.available():
+        row.verdict, row.note = "not runnable here", str(etcd_server.available())
+        return row
     run = work / fault / "run"
     run.mkdir(parents=True)
     ckpt = work / fault / "ckpt"
@@ -167,13 +175,18 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
     if fault == "net-slow":
         chaos_args = [*chaos_args, "--rate-kbit", f"{args.rate_kbit:g}"]
     agents: list[subprocess.Popen] = []
-    bed = testbed.Testbed(3)
+    etcd = None
+    bed = testbed.Testbed(3, extra=1 if backend == "etcd-v2" else 0)
     try:
-        port = 29400
-        for node in bed.nodes:
+        endpoint = f"{bed.nodes[0].addr}:29400"
+        if backend == "etcd-v2":  # etcd in a namespace of its own: no training node hosts the rendezvous
+            server = bed.nodes[3]
+            etcd = etcd_server.EtcdServer(work / fault / "etcd", host=server.addr, prefix=server.exec_prefix())
+            endpoint = etcd.endpoint
+        for node in bed.nodes[:3]:
             cmd = [
                 *node.exec_prefix(), sys.executable, "-m", "trainguard", "run", "--nnodes", "2:3", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.nodes[0].addr}:{port}", "--rdzv-id", fault,
+                "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", fault,
                 "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
                 "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
                 str(EXAMPLE), "--steps", str(args.steps), "--step-time-ms", "50", "--ckpt", "trainguard", "--ckpt-every", "1",
@@ -181,10 +194,14 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname}
             out = open(work / fault / f"n{node.index}.out", "wb")  # noqa: SIM115
             agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-            if node.index == 1:
+            if node.index == 1 and backend == "c10d":
                 time.sleep(1.0)  # node 1 hosts the store: let it bind first
-        wait(lambda: [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3],
-             "all three nodes in one round")  # fmt: skip
+        formed = wait(lambda: [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3],
+                      "all three nodes in one round")  # fmt: skip
+        if fault == "store-host-kill" and backend == "etcd-v2":  # the node of group rank 0 hosts the workers' store
+            victim = int(next(e.node for e in formed if e.evidence["group_rank"] == 0)[1:])
+            chaos_args = ["kill", "--node", f"n{victim}", "--what", "node"]
+        row.fault = f"{fault} ({backend})" if fault == "store-host-kill" else fault
         wait(lambda: max((s for s, _ in steps(run)), default=0) >= 15, "step 15")
         if fault == "corrupt-ckpt":
             wait(lambda: list(ckpt.glob("step-*/rank-00000.json")), "a persisted checkpoint")
@@ -259,6 +276,8 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         for name in os.listdir("/dev/shm"):
             if any(f"-{a.pid}-" in name or name.endswith(f"-{a.pid}") for a in agents):
                 subprocess.run(["rm", "-rf", f"/dev/shm/{name}"], check=False)
+        if etcd is not None:
+            etcd.close()
         bed.close()
         if mounted:
             subprocess.run(["umount", "-l", str(ckpt)], check=False)
@@ -272,6 +291,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, from: " + ", ".join(FAULTS))
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--rdzv", choices=("auto", "c10d", "etcd-v2"), default="auto",
+                   help="rendezvous backend: auto = etcd-v2 for store-host-kill, c10d for the rest")  # fmt: skip
     p.add_argument("--loss", type=float, default=LOSS_PCT, help=f"net-loss: %% of n3's packets dropped (default {LOSS_PCT:g})")
     p.add_argument("--rate-kbit", type=float, default=RATE_KBIT,
                    help=f"net-slow: n3's bandwidth in kbit/s (default {RATE_KBIT:g})")  # fmt: skip
@@ -284,12 +305,12 @@ def main() -> int:
         return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="tgfaults-", dir=args.keep) as tmp:
-        print(f"{'fault':<16} {'survived':<8} {'detect_s':>8} {'recover_s':>9} {'lost':>4}  verdict / note", flush=True)
+        print(f"{'fault':<26} {'survived':<8} {'detect_s':>8} {'recover_s':>9} {'lost':>4}  verdict / note", flush=True)
         for fault in wanted:
             row = run_case(fault, args, Path(tmp))
             rows.append(row)
             ran = row.verdict != "not runnable here"
-            print(f"{row.fault:<16} {('yes' if row.survived else 'NO') if ran else 'n/a':<8} {fmt(row.detect_s):>8} {fmt(row.recover_s):>9} "
+            print(f"{row.fault:<26} {('yes' if row.survived else 'NO') if ran else 'n/a':<8} {fmt(row.detect_s):>8} {fmt(row.recover_s):>9} "
                   f"{fmt(row.lost):>4}  {row.verdict}{'  [' + row.note + ']' if row.note else ''}", flush=True)  # fmt: skip
     counted = [r for r in rows if r.verdict != "not runnable here"]
     survived = sum(r.survived for r in counted)

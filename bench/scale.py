@@ -38,7 +38,7 @@ from trainguard.detect import straggler as S  # noqa: E402
 from trainguard.detect.culprit import find_culprit  # noqa: E402
 from trainguard.events import EventBus  # noqa: E402
 from trainguard.launch import straggler as SM  # noqa: E402
-from trainguard.launch.hang import view_from_dict, view_to_dict  # noqa: E402
+from trainguard.launch.hang_exchange import view_from_dict, view_to_dict  # noqa: E402
 from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo  # noqa: E402
 
 RANKS_PER_NODE = 8

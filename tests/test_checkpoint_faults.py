@@ -216,11 +216,13 @@ def test_checkpoint_sigkill_after_snapshot_and_death_inside_save(tmp_path, shm_r
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("next_job", ["same", "another"])
 def test_checkpoint_agent_killed_while_persisting_keeps_previous_checkpoint_and_next_agent_rescues_newer(
-        tmp_path, shm_root):
+        tmp_path, shm_root, next_job):
     """The agent is SIGKILLed in the middle of a persist: the previous checkpoint stays intact. The
     newer snapshots it held in shared memory are not lost (issue 18.12): the next agent starting on
-    the node persists them before it removes the dead agent's directory."""
+    the node persists them before it removes the dead agent's directory. When that agent belongs
+    to another job (another run dir), the rescue is reported to the dead job's run, not its own."""
     run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
     # A stand-in agent that persists at 8 MB/s: a 4 MB snapshot takes about half a second to write.
     agent = subprocess.Popen(
@@ -259,16 +261,19 @@ def test_checkpoint_agent_killed_while_persisting_keeps_previous_checkpoint_and_
 
         # The next agent on the node: rescues the newer snapshots, then removes the dead directory
         # and the interrupted persist's temp file.
-        store = EventStore(run_dir)
+        next_run = run_dir if next_job == "same" else tmp_path / "another-run"
+        store = EventStore(next_run)
         mon = CheckpointMonitor(ckpt_dir=ckpt_dir, shm_root=shm_root)
         try:
-            mon.on_before_start(context(run_dir, store, 0, []))
-            env2 = mon.worker_env(run_dir)
+            mon.on_before_start(context(next_run, store, 0, []))
+            env2 = mon.worker_env(next_run)
             assert not agent_shm.exists()
             assert not list(ckpt_dir.glob("step-*/*.tmp-*"))
             assert disk.list_steps(ckpt_dir, 0)[0] == max(held)
-            [rescued] = store.query(kinds=["checkpoint_rescued"])
+            [rescued] = [e for e in read_all(run_dir) if e.kind == "checkpoint_rescued"]
             assert max(held) in rescued.evidence["steps"] and rescued.severity.label == "warning"
+            if next_job == "another":
+                assert not store.query(kinds=["checkpoint_rescued"]), "another job's rescue reported as this job's"
             state = Checkpointer(Path(env2["TRAINGUARD_CKPT_SHM_DIR"]), ckpt_dir, 0, 1).load_latest()
         finally:
             mon.close()

@@ -47,7 +47,7 @@ def test_run_records_a_diagnosis_event_and_the_cli_agrees(jobs, tmp_path, capsys
 @pytest.mark.slow
 def test_a_worker_killed_from_outside_is_not_called_host_oom(jobs, tmp_path):
     """`kill -9` of a live worker: the kernel's oom_kill counters do not move, so the diagnosis (and
-    the policy's input) says "killed from outside the job", never host_oom."""
+    the policy's input) says "not by the OOM killer", never host_oom."""
     run_dir = tmp_path / "run"
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", run_dir,
                EXAMPLE, "--steps", "2000", "--step-time-ms", "20")  # fmt: skip
@@ -58,7 +58,7 @@ def test_a_worker_killed_from_outside_is_not_called_host_oom(jobs, tmp_path):
     ev = wait_event(run_dir, "diagnosis")
     d = ev.evidence
     assert d["category"] == "killed_external", d["summary"]
-    assert ev.rank == 1 and "from outside the job" in d["summary"]
+    assert ev.rank == 1 and "not by the OOM killer" in d["summary"]
     assert d["oom_check"]["moved"] is False and d["oom_check"]["checked"]
     (decision,) = events(run_dir, "policy_decision")  # the policy was handed the same verdict
     assert decision.evidence["diagnosis"]["category"] == "killed_external"

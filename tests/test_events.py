@@ -32,6 +32,18 @@ def test_store_roundtrip_and_filters(tmp_path):
     assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "persist"  # rollback journal: safe on NFS
 
 
+def test_node_databases_with_any_node_name_are_read_back(tmp_path):
+    """Node names are quoted into file names (``a@b`` -> ``a%40b.db``); the reader opened them
+    through an SQLite URI that decoded the quoting again and found nothing."""
+    from trainguard.events.store import node_db_path, read_all
+
+    for node in ("n1", "chaos@host", "a b/c", "50%"):
+        store = EventStore(node_db_path(tmp_path, node))
+        EventBus(store, node=node).emit("job_started", f"on {node}")
+        store.close()
+    assert sorted(e.node for e in read_all(tmp_path)) == sorted(["n1", "chaos@host", "a b/c", "50%"])
+
+
 def test_severity_parse_rejects_unknown():
     assert Severity.parse("Warning") is Severity.WARNING
     with pytest.raises(ValueError, match="unknown severity"):

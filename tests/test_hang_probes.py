@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from tgtest import wait_for
@@ -173,6 +174,7 @@ def test_hang_views_shared_across_nodes_name_a_remote_culprit() -> None:
     from torch.distributed import TCPStore
 
     from trainguard.detect.culprit import RankView, find_culprit
+    from trainguard.launch.hang_exchange import HangExchange, NodeViews
     from trainguard.probes.stacks import Frame
 
     c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -182,12 +184,103 @@ def test_hang_views_shared_across_nodes_name_a_remote_culprit() -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         assert find_culprit(node0, nnodes=2).rank is None  # node 0 alone cannot tell
-        hang_monitor.publish_views(store, 0, 1, node1, {2: "idle", 3: "progressing"})
-        got, progress = hang_monitor.gather_views(hang_monitor._client(store), 0, 0, 2, wait_s=10.0)
-        assert set(got) == {2, 3} and got[3].frames[0].name == "load"
-        assert progress == {2: "idle", 3: "progressing"}  # a remote rank still working holds a local verdict
-        assert find_culprit({**got, **node0}).rank == 3
+        HangExchange(store, "", 1, 2).publish(NodeViews("n1", 1, node1, {2: "idle", 3: "progressing"}, culprit=3))
+        got = HangExchange(store.clone(), "", 0, 2).gather(10.0, declared=False)
+        assert list(got) == [1] and got[1].node == "n1" and got[1].culprit == 3
+        assert got[1].views[3].frames[0].name == "load"
+        assert got[1].progress == {2: "idle", 3: "progressing"}  # a remote rank still working holds a local verdict
+        assert find_culprit({**got[1].views, **node0}).rank == 3
+        assert got[1].evidence()["ranks"]["3"]["progress"] == "progressing"
+        # declarations: a node that has not declared is represented by its latest view
+        late = HangExchange(store, "", 0, 2).gather(0.3, declared=True)
+        assert list(late) == [1] and not late[1].declared
         # a node that never publishes: the wait is bounded and nothing is invented
-        assert hang_monitor.gather_views(store, 0, 0, 3, wait_s=0.5)[0].keys() == {2, 3}
+        assert list(HangExchange(store, "", 0, 3).gather(0.5, declared=False)) == [1]
+        store.set("trainguard/hang/views/2", "not json")  # a malformed view is skipped, not fatal
+        assert list(HangExchange(store, "", 0, 3).gather(0.5, declared=False)) == [1]
+    finally:
+        del store
+
+
+def test_hang_one_verdict_for_the_job_first_writer_wins() -> None:
+    """Three nodes' exchanges on one real store: one claims the incident, its verdict is the one
+    that stands (a late judgement of another node loses), every node reads it, and a suspicion is recorded once per incident."""
+    from torch.distributed import TCPStore
+
+    from trainguard.evidence import HangEvidence
+    from trainguard.launch.hang_exchange import HangExchange
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        ex = [HangExchange(store.clone(), "a3/", n, 3) for n in range(3)]
+        assert ex[1].claim() and not ex[0].claim() and not ex[2].claim()
+        assert ex[1].claim()  # the claimer's own later round keeps it
+        assert ex[0].verdict(wait_s=0.3) is None  # bounded: the claimer has not judged yet
+        v1 = HangEvidence(1, "steps", "rank 1 is idle in own code", [{"cause": "x"}], "/run/hang-1.txt",
+                          3, progress="idle", doing="sleeping", recorded_by="n1")  # fmt: skip
+        assert ex[1].offer(v1) is v1
+        v0 = HangEvidence(None, "steps", "no local rank is behind", recorded_by="n0")
+        assert ex[0].offer(v0) == v1  # a node that judged late (its claimer seemed gone) acts on the first
+        assert ex[2].verdict() == v1
+        assert HangExchange(store, "a4/", 2, 3).verdict() is None  # another attempt's keys
+        assert ex[2].claim_suspicion("10") and not ex[0].claim_suspicion("10")
+        assert ex[0].claim_suspicion("11")  # the next stall is another incident
+    finally:
+        del store
+
+
+def test_hang_claimer_gone_a_waiting_node_judges_and_one_verdict_stands(tmp_path: Path) -> None:
+    """The node that claimed the incident never gives a verdict (its agent stopped): the waiting
+    node judges it after its bounded wait, from both nodes' declarations, and records the one
+    hang_detected; when the claimer comes back and judges too, the first verdict stands and it
+    records nothing (its report is removed)."""
+    import time
+
+    from torch.distributed import TCPStore
+
+    from trainguard.detect.culprit import RankView, find_culprit
+    from trainguard.detect.hang import Assessment, HangConfig
+    from trainguard.detect.progress import StallVerdict
+    from trainguard.events import EventBus
+    from trainguard.launch.hang_exchange import HangExchange, NodeViews
+    from trainguard.launch.monitor import MonitorContext, StepTracker
+    from trainguard.probes.stacks import Frame
+
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    views = {0: {0: RankView(0, "S", (Frame("all_reduce", c10d, 3252), Frame("main", "/job/train.py", 96)))},
+             1: {1: RankView(1, "S", (Frame("sleep_forever", "/job/train.py", 40), Frame("main", "/job/train.py", 95)))}}  # fmt: skip
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    recorded: list = []
+
+    def watch(n: int, store: TCPStore) -> hang_monitor._Watch:
+        bus = EventBus(None, f"node{n}")
+        bus.subscribe(recorded.append)
+        ctx = MonitorContext(tmp_path, f"node{n}", n, 2, 1, 2, 0, [], bus, StepTracker(), store=store.clone(),
+                             rdzv_backend="c10d")  # fmt: skip
+        w = hang_monitor._Watch(ctx, HangConfig(period=0.2), {}, None)
+        w.exchange, w.gather_wait, w.last_views = HangExchange.for_ctx(ctx), 0.3, views[n]
+        return w
+
+    def stall(w: hang_monitor._Watch) -> tuple:
+        verdict = find_culprit(w.last_views, nnodes=2)
+        return (time.time(), Assessment(False, "", "", {}, stall=12.0), StallVerdict("detected", verdict.rank, "steps", verdict.reason),
+                verdict, {})  # fmt: skip
+
+    try:
+        late, waiting = watch(1, store), watch(0, store)
+        assert late.exchange is not None and late.exchange.claim()  # node1 claims, then its agent stops
+        late.exchange.publish(NodeViews.of(late.ctx, views[1], find_culprit(views[1], nnodes=2), {1: "idle"}, declared=True))
+        found = waiting._conclude(*stall(waiting))
+        assert found is not None and found.rank == 1 and found.recorded_by == "node0"
+        assert [(e.kind, e.node, e.rank) for e in recorded] == [("hang_detected", "node0", 1)]
+        assert set(recorded[0].evidence["nodes"]) == {"node0", "node1"}
+        assert recorded[0].evidence["nodes"]["node1"]["culprit"] == 1
+        # node1 comes back and judges its claim: node0's verdict stands, node1 records nothing
+        now, a, sv, verdict, _ = stall(late)
+        mine = NodeViews.of(late.ctx, views[1], verdict, {}, declared=True)
+        adopted = late._judge_for_job(now, a, sv, verdict, {}, mine, 0.0)
+        assert adopted is not None and adopted.recorded_by == "node0" and adopted.rank == 1
+        assert len(recorded) == 1
+        assert [p.name for p in tmp_path.glob("hang-*.txt")] == [Path(found.report).name]  # node1's report removed
     finally:
         del store

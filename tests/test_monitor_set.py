@@ -9,6 +9,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from trainguard.events import EventBus, EventStore
 from trainguard.launch.monitor import Monitor, MonitorSet
+from trainguard.schedulers.adapter import STOP_SIGNALS
 
 
 class Broken(Monitor):
@@ -37,3 +38,52 @@ def test_a_monitor_error_is_reported_once_and_a_stop_signal_goes_through(tmp_pat
             list(MonitorSet([Interrupted()], EventBus(store, node="n0")).each("poll", None))
     finally:
         store.close()
+
+
+class Swallowing(Monitor):
+    name = "swallowing"
+
+    def poll(self, ctx):  # a store call guarded by a broad except, as monitors have
+        try:
+            raise SignalException("got signal 10", sigval=signal.SIGUSR1)
+        except Exception:
+            return None
+
+
+def test_a_stop_signal_swallowed_inside_a_monitor_is_raised_again(tmp_path, monkeypatch):
+    from trainguard.launch import api, stopsignal
+
+    monkeypatch.setattr(stopsignal, "_pending", None)
+    store = EventStore(tmp_path)
+    monitors = MonitorSet([Swallowing()], EventBus(store, node="n0"))
+    try:
+        assert list(monitors.each("poll", None)) == []  # no signal came: nothing to raise
+        saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # the handler ignores further ones
+        try:
+            with pytest.raises(SignalException):
+                api._raise_signal(signal.SIGUSR1, None)  # the agent's handler: records, then raises
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+        with pytest.raises(SignalException) as got:
+            list(monitors.each("poll", None))
+        assert got.value.sigval == signal.SIGUSR1
+        stopsignal.handled()  # the run is stopping: later calls go on
+        assert list(monitors.each("poll", None)) == []
+    finally:
+        store.close()
+
+
+def test_failure_findings_carry_the_jobs_hang_verdict():
+    """A hang verdict a monitor hands over with a failure reaches the policy beside the others'."""
+    from trainguard.evidence import HangEvidence
+    from trainguard.launch.monitor import FailureFindings
+
+    class Verdict(Monitor):
+        name = "hang"
+
+        def on_workers_failed(self, ctx, failures):
+            return HangEvidence(1, "steps", "rank 1 is stopped", recorded_by="node1")
+
+    found = MonitorSet([Broken(), Verdict()], EventBus(None, node="n0")).on_workers_failed(None, {})
+    assert found == FailureFindings(hang=HangEvidence(1, "steps", "rank 1 is stopped", recorded_by="node1"))

@@ -306,7 +306,8 @@ def test_hang_restarts_with_the_culprit():
     )
     assert (d.action, d.rank, d.source) == (Action.RESTART, 1, "hang")
     assert d.reason == "hang: culprit rank 1: rank 1 is not in the collective"
-    assert d.evidence == {"rule": "steps", "causes": causes, "report": "/run/hang.txt", "progress": "stopped"}
+    assert d.evidence == {"rule": "steps", "causes": causes, "report": "/run/hang.txt", "progress": "stopped",
+                          "recorded_by": ""}  # fmt: skip
     nobody = P.decide_on_hang(HangEvidence(None, "io+utilisation", "stacks are symmetric"))
     assert nobody.action == Action.RESTART and nobody.rank is None and "no single rank" in nobody.reason
 
@@ -325,6 +326,22 @@ def test_hang_suspicion_or_progressing_culprit_never_restarts():
         assert d is not None and d.action == Action.RESTART, kind
     s = P.decide_while_running(HangEvidence(0, "steps", "x", level="suspected", progress="busy"), P.PolicySettings(), 1)
     assert s is None
+
+
+def test_workers_failing_under_the_jobs_hang_verdict_act_on_the_verdict():
+    """On several nodes, a node restarting on the job's hang verdict makes the others' ranks lose
+    their peers: those failures follow the one verdict (same culprit, same action), not a diagnosis
+    of their own; without restarts left the job stops. A suspicion is no verdict."""
+    from trainguard.evidence import HangEvidence
+
+    hang = HangEvidence(1, "steps", "rank 1 is idle in own code", progress="idle", recorded_by="node1")
+    d = P.decide_on_failure({0: GLOO_PEER}, 2, None, HEALTHY, hang)
+    assert (d.action, d.source, d.rank) == (Action.RESTART, "hang", 1)
+    assert d.evidence["recorded_by"] == "node1" and d.evidence["failed_ranks"] == [0]
+    last = P.decide_on_failure({0: GLOO_PEER}, 0, None, HEALTHY, hang)
+    assert (last.action, last.source) == (Action.STOP_JOB, "hang") and "no restarts are left" in last.reason
+    user_error = P.decide_on_failure({1: ZERODIV}, 2, None, HEALTHY, HangEvidence(1, "steps", "x", level="suspected"))
+    assert user_error.action == Action.STOP_JOB and user_error.source == "worker_exit"
 
 
 def test_straggler_is_only_reported_without_exclude_straggler():

@@ -160,6 +160,21 @@ def test_rendezvous_bootstrap_cache_is_DynamicRendezvousHandler__bootstrap_store
     C.forget_rendezvous_bootstrap(object())  # other handlers: nothing to forget
 
 
+def test_rendezvous_base_store_is_DynamicRendezvousHandler__store():
+    h = handler()
+    try:
+        info = h.next_rendezvous()
+        assert hasattr(h, "_store"), "torch removed DynamicRendezvousHandler._store"
+        base = C.rendezvous_base_store(h, info.store)
+        assert base is h._store
+        base.set("across-rounds", "x")  # what the round's PrefixStore sees under its prefix is elsewhere
+        assert info.store.check(["across-rounds"]) is False and base.get("across-rounds") == b"x"
+    finally:
+        h.shutdown()
+    round_store = torch.distributed.PrefixStore("r", torch.distributed.HashStore())
+    assert C.rendezvous_base_store(object(), round_store) is not round_store  # other handlers: underlying_store
+
+
 def test_shared_store_server_is_DynamicRendezvousHandler__create_tcp_store_server():
     from trainguard.stores import bound_store
 

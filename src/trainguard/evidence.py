@@ -123,8 +123,9 @@ class CheckOutcome:
 
 @dataclass(frozen=True)
 class HangEvidence:
-    """A stall the hang monitor judged (it has recorded ``hang_suspected`` or ``hang_detected`` with
-    the full evidence).
+    """A stall the hang monitor judged (the monitor of ``recorded_by`` has recorded
+    ``hang_suspected`` or ``hang_detected`` with the full evidence; on several nodes that is one
+    node for the whole job, and the others act on the same verdict).
 
     ``level`` "suspected": steps stopped but the candidate culprit is busy and progressing (a long
     evaluation, a save, a loop): a warning. "detected": the culprit shows no progress (stopped,
@@ -140,6 +141,7 @@ class HangEvidence:
     level: str = "detected"  # "suspected" | "detected"
     progress: str = ""  # the culprit's progress kind (detect.progress): progressing busy idle stopped stalled gone
     doing: str = ""  # what the culprit was doing, in words
+    recorded_by: str = ""  # the node that recorded the verdict (one for the whole job on several nodes)
 
     @property
     def progressing(self) -> bool:

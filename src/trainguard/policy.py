@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -212,10 +212,19 @@ def decide_on_failure(
     remaining_restarts: int,
     diagnosis: Diagnosis | None = None,
     hardware: HardwareReport | None = None,
+    hang: HangEvidence | None = None,
 ) -> Decision:
     """Workers of this node failed. ``diagnosis``: the log diagnosis of the attempt; ``hardware``:
-    the quick check run after the failure (None when none ran)."""
+    the quick check run after the failure (None when none ran); ``hang``: the job's hang verdict,
+    when one stands (on several nodes, a node restarting on it makes the others' workers lose
+    their peers: they act on the verdict too, not on a failure of their own)."""
     ranks = sorted(failures)
+    on_hang = decide_on_hang(hang) if hang is not None else None
+    if on_hang is not None:
+        evidence = {**on_hang.evidence, "failed_ranks": ranks, "remaining_restarts": remaining_restarts}
+        if remaining_restarts <= 0:
+            return Decision(Action.STOP_JOB, f"{on_hang.reason}; no restarts are left", "hang", on_hang.rank, evidence)
+        return replace(on_hang, evidence=evidence)
     cause = classify_failures(failures, diagnosis)
     hw_faulty = hardware is not None and not hardware.healthy
     evidence: dict[str, Any] = {
@@ -344,7 +353,8 @@ def decide_on_hang(hang: HangEvidence) -> Decision | None:
         f"hang: culprit {who}: {hang.reason}",
         source="hang",
         rank=hang.rank,
-        evidence={"rule": hang.rule, "causes": hang.causes, "report": hang.report, "progress": hang.progress},
+        evidence={"rule": hang.rule, "causes": hang.causes, "report": hang.report, "progress": hang.progress,
+                  "recorded_by": hang.recorded_by},  # fmt: skip
     )
 
 

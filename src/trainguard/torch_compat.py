@@ -101,6 +101,19 @@ def bind_rendezvous_shared_store(handler: Any, make_server: Any) -> bool:
     return True
 
 
+def rendezvous_base_store(handler: Any, round_store: Any) -> Any:
+    """The rendezvous' store under every round's prefix (keys that must span rounds live there).
+
+    A dynamic rendezvous keeps it in ``_store`` and hands out ``PrefixStore(round, _store)``. The
+    public ``PrefixStore.underlying_store`` works for C++ stores (TCPStore) only: for a store
+    written in Python (torch's ``EtcdStore``) it returns a bare ``Store`` whose every call fails
+    with "pure virtual function". Falls back to ``underlying_store``, then to the round's store."""
+    base = getattr(handler, "_store", None)
+    if base is not None and hasattr(base, "compare_set"):
+        return base
+    return getattr(round_store, "underlying_store", None) or round_store
+
+
 def rendezvous_node(handler: Any) -> str | None:
     """This agent's identity in a dynamic rendezvous (torch's ``_NodeDesc``, as text): what the
     other agents name when they drop it after it vanished. None for other handlers."""

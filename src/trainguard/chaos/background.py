@@ -110,9 +110,10 @@ def main(spec: dict[str, Any]) -> None:
 
 
 def _reverted(spec: dict[str, Any], detail: str) -> None:
+    from trainguard.chaos import event_db
     from trainguard.events import EventBus, EventStore
 
-    store = EventStore(Path(spec["run_dir"]))
+    store = EventStore(event_db(spec["run_dir"]))
     try:
         EventBus(store, node=spec["node"]).emit(
             "chaos_reverted", f"chaos {spec['fault']} on {spec['node']} reverted {detail}".strip(),

@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from trainguard.chaos import background, hold
+from trainguard.chaos import background, event_db, hold
 from trainguard.chaos.targets import Target, TargetError, resolve
 from trainguard.events import EventBus, EventStore
 from trainguard.exitcodes import EXIT_USAGE
@@ -266,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     where = f"rank {t.rank} on node {t.node}" if t.rank is not None else f"node {t.node}"
     message = f"chaos {args.fault} injected into {where}"
-    store = EventStore(run_dir)
+    store = EventStore(event_db(run_dir))
     try:
         EventBus(store, node=t.node).emit(
             "chaos_injected", message, severity="warning", rank=t.rank,

@@ -4,7 +4,7 @@
    failure in the same file (torchrun's root cause, DeepSpeed's failing --local_rank) when it
    names exactly one; lines about the same process (pid) share its rank. A SIGKILL is called host
    OOM only when an OOM-killer line (kernel, scheduler, kubelet, or the agent's oom_kill counters)
-   exists for that node or process; otherwise it stays "killed from outside the job".
+   exists for that node or process; otherwise it stays killed_external (a SIGKILL not from the OOM killer).
 1. Hits are grouped per rank into incidents (hits within ``INCIDENT_WINDOW_S`` of the incident's
    first hit). An incident is decided by its most specific hit (highest priority); its role is that
    hit's role, so a rank whose traceback ends in "Connection closed by peer" is a symptom.

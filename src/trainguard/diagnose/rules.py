@@ -59,7 +59,7 @@ CATEGORIES = (
     "dataloader", "host_oom", "disk_full_or_io", "python_exception", "nan_loss", "segfault",
     "hang_no_error", "slowdown", "healthy",
     "exit_nonzero",  # exited with an error code and logged no error: cause unknown, worth a retry
-    "killed_external",  # SIGKILL with no OOM-killer event: killed from outside the job (scheduler, person)
+    "killed_external",  # SIGKILL with no OOM-killer event: a scheduler, a person, a watchdog, the job itself
     "early_exit",  # a rank exited 0 while the others trained on: they then lost their peer
 )  # fmt: skip
 # Cause families: what kind of failure a category is, for the policy (restart, exclude, stop).

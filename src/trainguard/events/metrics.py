@@ -31,7 +31,7 @@ METRICS: list[tuple[str, str, str]] = [
      "seed 003 fault-tolerance count: nodes of the run isolated for a hardware/node fault so the job restarted without them"),
     ("trainguard_restarts_total", "counter", "worker-group restarts of this node by reason (membership = a new rendezvous round, no budget used)"),
     ("trainguard_worker_failures_total", "counter", "failed workers of this node by diagnosed category"),
-    ("trainguard_hangs_total", "counter", "hangs detected on this node"),
+    ("trainguard_hangs_total", "counter", "hangs detected and recorded by this node (one node records each hang for the job)"),
     ("trainguard_step", "gauge", "training step each rank of this node reached (resumed step + steps since)"),
     ("trainguard_step_duration_seconds", "gauge", "duration of each rank's latest training step"),
     ("trainguard_straggler_ratio", "gauge",

@@ -93,7 +93,9 @@ class EventStore:
         if readonly:
             if not path.is_file():
                 raise FileNotFoundError(f"no event store at {path}")
-            self._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, timeout=READ_TIMEOUT_S)
+            # as_uri() percent-encodes the path: a quoted node name (``events/a%40b.db``) stays itself
+            uri = f"{path.absolute().as_uri()}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=READ_TIMEOUT_S)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30, isolation_level=None)

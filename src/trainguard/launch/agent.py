@@ -28,7 +28,7 @@ from torch.distributed.elastic.utils import macros
 from trainguard import policy, torch_compat
 from trainguard.events import EventBus, Severity
 from trainguard.evidence import RankFailure
-from trainguard.launch import failures, runs
+from trainguard.launch import failures, runs, stopsignal
 from trainguard.launch.monitor import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.launch.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
 from trainguard.launch.peers import Peers
@@ -187,7 +187,8 @@ class TrainguardAgent(LocalElasticAgent):
     def _join_run(self, wg: WorkerGroup) -> None:
         """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
         first = self.run_info is None
-        self.run_info = runs.agree(wg.store, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
+        base = torch_compat.rendezvous_base_store(wg.spec.rdzv_handler, wg.store)
+        self.run_info = runs.agree(base, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
         if first:
             self.attempt = self.run_info.first_attempt - 1  # _before_start counts the first attempt
             log.info("run %s: attempts from %d (logs/attempt-%d)", self.run_info.run_id, self.run_info.first_attempt,
@@ -385,6 +386,7 @@ class TrainguardAgent(LocalElasticAgent):
 
     # ---- monitoring -------------------------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        stopsignal.raise_pending()  # a stop signal swallowed since the last poll (see stopsignal)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             return self._poll_monitors(worker_group, result)
@@ -440,6 +442,7 @@ class TrainguardAgent(LocalElasticAgent):
                 torch_compat.remaining_restarts(self),
                 found.diagnosis if found else None,
                 found.hardware if found else None,
+                found.hang if found else None,
             )
         except Exception as exc:  # the policy failing must not take the job with it
             log.exception("policy failed")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.elastic.utils import macros
@@ -27,7 +27,7 @@ from trainguard.events import EventBus, EventStore, Severity
 from trainguard.events.notify import Notifier, urls_from_env
 from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
-from trainguard.launch import console, hold, keeper, logs, plugins, runlock
+from trainguard.launch import console, hold, keeper, logs, plugins, runlock, stopsignal
 from trainguard.launch.agent import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
 from trainguard.launch.pcontext import Target
 from trainguard.launch.pool import WorkerPool
@@ -136,6 +136,25 @@ def _host_rendezvous(config) -> object | None:
         return None
 
 
+def _missing_rendezvous_client(backend: str) -> str | None:
+    """Why torch's etcd rendezvous cannot run here (its client library is missing), else None.
+    torch falls back to a stub that fails with a traceback deep inside the first round."""
+    if backend not in ("etcd", "etcd-v2"):
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("etcd") is None:
+        return f"--rdzv-backend {backend} needs the python-etcd package: pip install 'trainguard[etcd]'"
+    return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost exception's message: what a connection failure comes down to."""
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return str(exc) or type(exc).__name__
+
+
 def _endpoint_host(config) -> str | None:
     endpoint = (config.rdzv_endpoint or "").split(",")[0].strip()
     return parse_rendezvous_endpoint(endpoint, default_port=0)[0] if endpoint else None
@@ -157,7 +176,9 @@ def _raise_signal(signum: int, frame: object) -> None:
     # SIGTERM when another node requeues the job) must not interrupt the stopping it started.
     for sig in scheduler.STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+    exc = SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+    stopsignal.record(exc)  # raised again by the agent's loop should a broad except swallow it
+    raise exc
 
 
 def _install_signal_handlers() -> None:
@@ -256,6 +277,10 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         return EXIT_USAGE
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
+    missing = _missing_rendezvous_client(config.rdzv_backend)
+    if missing:
+        print(f"trainguard run: error: {missing}", file=sys.stderr)
+        return EXIT_USAGE
     rdzv_server = _loopback_rendezvous(config) if single else _host_rendezvous(config)
     advertise = advertise_address(config, single)
     if config.max_nodes > 1 and is_loopback(advertise) and not reaches_loopback(_endpoint_host(config) or "localhost"):
@@ -366,11 +391,16 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
             code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
     except SignalException as exc:
+        stopsignal.handled()
         shutdown_rdzv = False
         if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
             sched.on_preempted(exc.sigval, node)
         bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
         code, verdict = signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)"
+    except RendezvousConnectionError as exc:
+        verdict = f"cannot reach the {config.rdzv_backend} rendezvous at {config.rdzv_endpoint}: {_root_cause(exc)}"
+        bus.emit("job_failed", f"job failed: {verdict}", severity=Severity.CRITICAL, evidence={"reason": verdict})
+        print(f"trainguard run: error: {verdict}", file=sys.stderr)
     except Exception as exc:
         log.exception("agent failed")
         bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})

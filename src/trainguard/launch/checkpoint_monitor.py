@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,9 @@ from typing import Any
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR
 from trainguard.checkpoint.persist import Persister, rescue_orphan
-from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
+from trainguard.checkpoint.shm import make_shm_dir, read_dir_info, release_shm_dir
+from trainguard.events import EventBus, EventStore
+from trainguard.events.store import node_db_path
 from trainguard.evidence import RankFailure
 from trainguard.launch.monitor import Monitor, MonitorContext
 from trainguard.options import given, non_negative, positive_int
@@ -160,11 +163,30 @@ class CheckpointMonitor(Monitor):
                     log.info("checkpoint: removed %d temp file(s) of interrupted persists", removed)
             except OSError as exc:  # reported on the first persist; snapshots still work in memory
                 log.warning("checkpoint: checkpoint dir %s not usable: %s", self.ckpt_dir, exc)
-            self.shm_dir = make_shm_dir(self.shm_root, info={"ckpt_dir": str(self.ckpt_dir.resolve()), "keep": self.keep},
-                                        on_orphan=lambda d: rescue_orphan(d, self._emit, keep=self.keep))
+            info = {"ckpt_dir": str(self.ckpt_dir.resolve()), "keep": self.keep, "run_dir": str(run_dir.resolve())}
+            self.shm_dir = make_shm_dir(self.shm_root, info=info, on_orphan=lambda d: self._rescue(d, run_dir))
             self._persister = Persister(self.shm_dir, self.ckpt_dir, self.keep, self._emit,
                                         max_write_bytes_per_s=self.write_limit)
             self._persister.start()
+
+    def _rescue(self, shm_dir: Path, run_dir: Path) -> None:
+        """Persist what a dead agent left in shared memory to its own checkpoint dir, and report it
+        to its own run: a job that merely starts on the same node must not record another job's
+        rescue as its own."""
+        owner_run = read_dir_info(shm_dir).get("run_dir")
+        if not isinstance(owner_run, str) or Path(owner_run) == run_dir.resolve():
+            rescue_orphan(shm_dir, self._emit, keep=self.keep)
+            return
+        if not Path(owner_run).is_dir():  # never recreate a run dir someone removed
+            rescue_orphan(shm_dir, lambda kind, message, **_: log.warning("checkpoint: %s", message), keep=self.keep)
+            return
+        store = EventStore(node_db_path(owner_run, f"rescue@{socket.gethostname()}"))
+        try:
+            bus = EventBus(store, node=socket.gethostname())
+            rescue_orphan(shm_dir, bus.emit, keep=self.keep)
+        finally:
+            store.close()
+        log.info("checkpoint: persisted the snapshots another job's dead agent left in %s (reported in %s)", shm_dir, owner_run)
 
     def _run_pass_bounded(self, every_slot: bool = False, trigger: str = "background") -> list | None:
         """A synchronous persist pass, on a helper thread so a stuck disk cannot wedge the agent."""

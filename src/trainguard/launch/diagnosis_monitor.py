@@ -9,7 +9,7 @@ one ``diagnosis`` event (rank = first failing rank, evidence = the diagnosis) an
 A SIGKILL with a silent log is host OOM only when the kernel says so: the kernel's ``oom_kill``
 counters (the workers' cgroups, else /proc/vmstat) are read when workers start and again when they
 fail (probes/oom.py); the diagnosis gets the difference, so an outside ``kill -9`` reads
-"killed from outside the job", not host_oom.
+killed_external (not by the OOM killer), not host_oom.
 """
 
 from __future__ import annotations

@@ -9,14 +9,15 @@ rank's stack every ``stack_every`` seconds; detect.progress judges each rank's p
 window and the stall: ``hang_suspected`` (warning: the candidate is busy and progressing; the watch
 goes on, ``hang_cleared`` when steps resume) or ``hang_detected`` (no progress, or no step for
 ``--hang-detect-time``). Both are recorded with the evidence and a readable report in the run dir
-and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides).
+and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides). On several
+nodes the job gets one verdict per incident, recorded by one agent with every node's view and
+acted on by all (launch/hang_exchange.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
 from trainguard.detect.hang import (
@@ -47,7 +48,8 @@ from trainguard.detect.progress import (
     judge_progress,
     phase_of,
 )
-from trainguard.evidence import HangEvidence
+from trainguard.evidence import HangEvidence, RankFailure
+from trainguard.launch.hang_exchange import HangExchange, NodeViews
 from trainguard.launch.hang_report import HangReport, write_report
 from trainguard.launch.monitor import Monitor, MonitorContext
 from trainguard.options import SettingsError, given, number
@@ -56,6 +58,8 @@ from trainguard.probes import nvml, proc, stacks
 log = logging.getLogger(__name__)
 
 STACK_TIMEOUT = 10.0
+FOLLOW_STALLED_S = 0.5  # how often the agent's loop looks for the job's verdict while steps stall here
+FOLLOW_IDLE_S = 2.0  # ... and otherwise (a node that saw no stall still acts on the job's verdict)
 FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
 # Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
 DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
@@ -212,6 +216,10 @@ class _Watch:
         self.suspect_since: float | None = None  # when the stall first read as a suspicion
         self.remote_views: dict[int, RankView] = {}  # other nodes' ranks, when they named the culprit
         self.remote_progress: dict[int, str] = {}
+        self.exchange: HangExchange | None = None  # set on the watch's thread, on several nodes
+        self.stalled = False  # steps stall here (the agent's loop then looks for the job's verdict more often)
+        self.suspect_recorded = False  # this node recorded the suspicion in force (and records its clearing)
+        self.gather_wait = max(10.0, 3 * cfg.period)  # for the other nodes' declarations
         self.exit_since: float | None = None  # when the workers were first seen shutting down
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
         self.last_dumps: dict[int, stacks.StackDump] = {}
@@ -236,6 +244,7 @@ class _Watch:
         steps = {r: self.ctx.steps.recent(r) for r in pids}
         a = self.detector.assess(now, steps)
         if a.hang and now >= self.hold_until:
+            self.stalled = True
             return self._seed_rule(now, a, pids)
         stats = a.steps
         if stats is None:
@@ -256,6 +265,7 @@ class _Watch:
             threshold = stats.threshold if stats.ready else math.inf
         if stall < min(0.5 * threshold, self.cfg.detect_time):
             return None
+        self.stalled = True
         if now >= self.next_stacks:
             # Stacks from half the threshold on: by the threshold there are several to compare.
             t0 = time.monotonic()
@@ -292,7 +302,7 @@ class _Watch:
                 if pause > self.learned.get(phase, 0.0):
                     self.learned[phase] = pause
                     log.debug("hang: %s pause of %.1fs ended; allowance learned", phase, pause)
-        if self.suspected is not None:
+        if self.suspected is not None and self.suspect_recorded:
             pause = last_end - self.stall_from
             s = self.suspected
             self.ctx.events.emit(
@@ -305,6 +315,7 @@ class _Watch:
                           "attempt": self.ctx.restart_count},  # fmt: skip
             )
         self.stall_from, self.stall_phases, self.suspected, self.suspect_since = last_end, set(), None, None
+        self.stalled = self.suspect_recorded = False
         self.history.clear_stacks()
         self.recent_phase.clear()
         self.next_stacks = -math.inf
@@ -332,11 +343,10 @@ class _Watch:
         )
         sv = decide_stall(verdict, progress, a.stall, limits)
         self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
-        multinode = self.ctx.nnodes > 1 and self.ctx.store is not None
-        if multinode:
-            self._publish(progress)
-        if sv.state == "detected" and sv.rule == "steps" and multinode:
-            verdict, sv = self._with_other_nodes(verdict, sv)
+        if self.exchange is not None:
+            self._share(verdict, progress)
+            if sv.state == "detected" and sv.rule == "steps":
+                sv = self._with_other_nodes(verdict, sv)
         if sv.state != "suspected":
             self.suspect_since = None
         elif self.suspected is None:
@@ -346,17 +356,20 @@ class _Watch:
             if now - self.suspect_since < cfg.window:
                 return None
             self.suspected = sv
-            return self._record(now, a, sv, verdict, progress)
+            self.suspect_recorded = self._claim_suspicion(a)
+            if not self.suspect_recorded:
+                return None  # another node records this incident's suspicion
+            return self._record(now, a, sv, verdict, progress, self._latest_nodes(verdict, progress))
         if sv.state != "detected":
             return None
         if self._moved_on(a, pids):
             return None  # a step finished while we looked: slow, not hung
-        return self._record(now, a, sv, verdict, progress)
+        return self._conclude(now, a, sv, verdict, progress)
 
     def _seed_rule(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
         steps = {r: self.ctx.steps.recent(r) for r in pids}
         verdict, dumps, views = self._stacks(pids, steps)
-        self.last_dumps = dumps
+        self.last_dumps, self.last_views = dumps, views
         if self._moved_on(a, pids):
             return None
         if verdict.phase == "exit":
@@ -366,10 +379,8 @@ class _Watch:
             if now - self.exit_since < self.cfg.detect_time:
                 self.hold_until = now + max(10.0, 3 * self.cfg.period)
                 return None
-        if self.ctx.nnodes > 1 and self.ctx.store is not None:
-            verdict = self._merge_other_nodes(verdict, views)
         sv = StallVerdict("detected", verdict.rank, a.rule, f"{verdict.reason}. {a.message}")
-        return self._record(now, a, sv, verdict, {})
+        return self._conclude(now, a, sv, verdict, {})
 
     def _stacks(
         self, pids: dict[int, int], steps: dict[int, list]
@@ -396,64 +407,122 @@ class _Watch:
             )
         return find_culprit(views, nnodes=self.ctx.nnodes), dumps, views
 
-    def _publish(self, progress: dict[int, Progress]) -> None:
-        """This node's latest stacks and progress, for the other nodes' verdicts."""
+    # ---- one verdict for the job (launch/hang_exchange.py) ------------------------------------
+    def _node_views(self, verdict: CulpritVerdict, progress: dict[int, Progress], declared: bool = False) -> NodeViews:
+        return NodeViews.of(self.ctx, self.last_views, verdict, {r: p.kind for r, p in progress.items()}, declared)
+
+    def _share(self, verdict: CulpritVerdict, progress: dict[int, Progress]) -> None:
+        """This node's latest stacks and progress, for the other nodes' judgement."""
+        assert self.exchange is not None
         try:
-            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, self.last_views,
-                          {r: p.kind for r, p in progress.items()})  # fmt: skip
+            self.exchange.publish(self._node_views(verdict, progress))
         except Exception as exc:  # the store going away must not stop the watch
             log.warning("hang: could not share stacks with the other nodes: %s", exc)
 
-    def _gather(self, key: str) -> dict[int, RankView]:
-        ctx = self.ctx
-        # The other nodes judge the same stall from their own samples and stacks (a window, a few
-        # py-spy dumps on busy machines): give their verdicts time to arrive.
-        wait = max(5.0, 3 * self.cfg.period) if key == HANG_VIEWS_KEY else max(10.0, 3 * self.cfg.period)
+    def _others(self, wait_s: float, declared: bool) -> dict[int, NodeViews]:
+        assert self.exchange is not None
         try:
-            remote, progress = gather_views(_client(ctx.store), ctx.restart_count, ctx.node_rank, ctx.nnodes, wait, key)
+            others = self.exchange.gather(wait_s, declared)
         except Exception as exc:
             log.warning("hang: could not read the other nodes' stacks: %s", exc)
             return {}
-        if key == HANG_VIEWS_KEY:
-            self.remote_progress = progress
-        return remote
+        self.remote_progress = {r: k for nv in others.values() for r, k in nv.progress.items()}
+        return others
 
-    def _with_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> tuple[CulpritVerdict, StallVerdict]:
+    def _with_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> StallVerdict:
         """A local "no progress" verdict is only final when no rank on another node progresses:
-        the ranks here may all wait for a long evaluation over there."""
+        the ranks here may all wait for a long evaluation over there. (The other nodes judge the
+        same stall from their own samples and stacks: give their views time to arrive.)"""
+        self._others(max(5.0, 3 * self.cfg.period), declared=False)
         local = verdict.positions
-        self._gather(HANG_VIEWS_KEY)
         moving = [r for r, k in self.remote_progress.items() if k in (PROGRESSING, BUSY) and r not in local]
         culprit_dead = sv.culprit in local and not local[sv.culprit].waiting
         if moving and not culprit_dead:
             r = moving[0]
-            return verdict, StallVerdict("watch", r, "", f"rank {r} on another node progresses")
-        merged = self._merge_other_nodes(verdict, self.last_views)
-        if merged is not verdict:
-            sv = dataclasses.replace(sv, culprit=merged.rank, why=merged.reason)
-        return merged, sv
+            return StallVerdict("watch", r, "", f"rank {r} on another node progresses")
+        return sv
 
-    def _merge_other_nodes(self, verdict: CulpritVerdict, views: dict[int, RankView]) -> CulpritVerdict:
-        """Share this node's stacks at its verdict; when no local rank is the culprit, look at the
-        other nodes' stacks too. Waits for the other nodes' verdicts even when the culprit is
-        here: they see the same hang within seconds, and declaring before them would restart the
-        job under their feet."""
+    def _claim_suspicion(self, a: Assessment) -> bool:
+        """Whether this node records the suspicion: the first node to claim the incident (the
+        stall after the job's latest step) does, for the job."""
+        if self.exchange is None:
+            return True
+        last = a.steps.last_step if a.steps else {}
         try:
-            publish_views(_client(self.ctx.store), self.ctx.restart_count, self.ctx.node_rank, views, {},
-                          HANG_DECIDED_KEY)  # fmt: skip
+            return self.exchange.claim_suspicion(str(max(last.values())) if last else "start")
+        except Exception as exc:  # recording it here beats losing it
+            log.warning("hang: could not agree with the other nodes on who records the suspicion: %s", exc)
+            return True
+
+    def _latest_nodes(self, verdict: CulpritVerdict, progress: dict[int, Progress]) -> dict[str, dict] | None:
+        """Every node's latest view, without waiting (for a suspicion)."""
+        if self.exchange is None:
+            return None
+        others = self._others(0.0, declared=False)
+        return _by_node([self._node_views(verdict, progress), *others.values()])
+
+    def _conclude(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress]
+    ) -> HangEvidence | None:
+        """This node found a hang. On one node: record it. On several: declare it, and either
+        judge it for the job (the first to claim it) or act on the verdict of the node that did."""
+        ex = self.exchange
+        if ex is None:
+            return self._record(now, a, sv, verdict, progress)
+        mine = self._node_views(verdict, progress, declared=True)
+        wait = 2 * self.gather_wait
+        try:
+            ex.publish(mine)
+            if ex.claim():
+                return self._judge_for_job(now, a, sv, verdict, progress, mine, self.gather_wait)
+            agreed = ex.verdict(wait)
+        except Exception as exc:  # no store: this node's own verdict rather than none
+            log.warning("hang: could not agree on a verdict with the other nodes (%s): recording this node's", exc)
+            return self._record(now, a, sv, verdict, progress)
+        if agreed is not None:
+            return self._adopt(agreed)
+        log.warning("hang: the node that claimed this hang gave no verdict in %.1fs: judging it here", wait)
+        return self._judge_for_job(now, a, sv, verdict, progress, mine, 0.0)
+
+    def _judge_for_job(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        mine: NodeViews, wait_s: float,
+    ) -> HangEvidence | None:  # fmt: skip
+        """The verdict for the whole job from every node's declaration (the latest view of a node
+        that has not declared within ``wait_s``), written once to the store and recorded here
+        unless another node's verdict stands already."""
+        assert self.exchange is not None
+        others = self._others(wait_s, declared=True)
+        self.remote_views = {r: v for nv in others.values() for r, v in nv.views.items()}
+        verdict, sv = self._merge_other_nodes(verdict, sv)
+        kind, message, evidence, found = self._evidence(now, a, sv, verdict, progress, _by_node([mine, *others.values()]))
+        try:
+            stood = self.exchange.offer(found)
         except Exception as exc:
-            log.warning("hang: could not share stacks with the other nodes: %s", exc)
-        remote = self._gather(HANG_DECIDED_KEY)
-        if remote:
-            self.remote_views = remote
-        if verdict.rank is not None or not remote:
-            return verdict
-        merged = find_culprit({**remote, **views}, nnodes=1)
+            log.warning("hang: could not write the job's verdict (%s): recording it here", exc)
+            stood = found
+        if stood is not found:  # a node that waited for this one judged meanwhile: its verdict stands
+            if found.report:
+                Path(found.report).unlink(missing_ok=True)
+            return self._adopt(stood)
+        self.ctx.events.emit(kind, message, severity="error", rank=found.rank, evidence=evidence)
+        return found
+
+    def _adopt(self, agreed: HangEvidence) -> HangEvidence:
+        log.info("hang: acting on the job's verdict recorded by %s: culprit rank %s", agreed.recorded_by, agreed.rank)
+        return dataclasses.replace(agreed, attempt=self.ctx.restart_count)
+
+    def _merge_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> tuple[CulpritVerdict, StallVerdict]:
+        """When no local rank is the culprit, name it from every node's stacks."""
+        if verdict.rank is not None or not self.remote_views:
+            return verdict, sv
+        merged = find_culprit({**self.remote_views, **self.last_views}, nnodes=1)
         if merged.rank is None:
-            return verdict
-        if merged.rank not in views:
+            return verdict, sv
+        if merged.rank not in self.last_views:
             merged.reason += f" (from the stacks of all {self.ctx.nnodes} nodes: rank {merged.rank} is on another node)"
-        return merged
+        why = sv.why.replace(verdict.reason, merged.reason, 1) if verdict.reason and verdict.reason in sv.why else merged.reason
+        return merged, dataclasses.replace(sv, culprit=merged.rank, why=why)
 
     def _moved_on(self, a: Assessment, pids: dict[int, int]) -> bool:
         later = time.time()
@@ -473,10 +542,22 @@ class _Watch:
         return a.steps is not None and last_end > a.steps.last_end
 
     def _record(
-        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress]
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        nodes: dict[str, dict] | None = None,
     ) -> HangEvidence:
         """Record ``hang_suspected`` (warning) or ``hang_detected`` (error) with the evidence and the
         report file; hand the evidence to the policy."""
+        kind, message, evidence, found = self._evidence(now, a, sv, verdict, progress, nodes)
+        severity = "warning" if found.level == "suspected" else "error"
+        self.ctx.events.emit(kind, message, severity=severity, rank=found.rank, evidence=evidence)
+        return found
+
+    def _evidence(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        nodes: dict[str, dict] | None,
+    ) -> tuple[str, str, dict, HangEvidence]:
+        """The event's kind, message and evidence (``nodes``: what each node saw, on several
+        nodes) and the evidence for the policy; writes the report file."""
         ctx = self.ctx
         dumps = self.last_dumps
         level = sv.state
@@ -487,7 +568,7 @@ class _Watch:
         report = None
         try:
             report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, shown, verdict, dumps,
-                                                          self.remote_views, level))  # fmt: skip
+                                                          self.remote_views, level, nodes or {}))  # fmt: skip
         except OSError as exc:  # a full disk must not stop the restart
             log.error("could not write the hang report: %s", exc)
         culprit = sv.culprit
@@ -496,6 +577,7 @@ class _Watch:
         who = f"rank {culprit}" if culprit is not None else "no single rank"
         causes = ", ".join(c["cause"] for c in verdict.causes) if level == "detected" else ""
         p = progress.get(culprit) if culprit is not None else None
+        progress_kind = p.kind if p else self.remote_progress.get(culprit, "") if culprit is not None else ""
         reason = verdict.reason if culprit == verdict.rank else sv.why
         if level == "suspected":
             message = (f"hang suspected: no step for {a.stall:.0f}s (allowance {sv.limit:.0f}s); candidate {who}: "
@@ -510,7 +592,7 @@ class _Watch:
             "culprit": culprit,
             "reason": reason,
             "doing": sv.why,
-            "progress": p.to_dict() if p else None,
+            "progress": p.to_dict() if p else ({"kind": progress_kind} if progress_kind else None),
             "candidates": verdict.candidates,
             "causes": verdict.causes,
             "stack": [str(f) for f in main.frames] if main else _remote_stack(self.remote_views, culprit),
@@ -527,18 +609,14 @@ class _Watch:
             },
             "report": str(report) if report else None,
             "attempt": ctx.restart_count,
+            "recorded_by": ctx.node,
+            **({"nodes": nodes} if nodes else {}),
         }
-        kind, severity = ("hang_suspected", "warning") if level == "suspected" else ("hang_detected", "error")
-        ctx.events.emit(kind, message, severity=severity, rank=culprit, evidence=evidence)
-        return HangEvidence(
+        kind = "hang_suspected" if level == "suspected" else "hang_detected"
+        return kind, message, evidence, HangEvidence(
             culprit, rule, reason, list(verdict.causes) if level == "detected" else [], evidence["report"],
-            ctx.restart_count, level=level, progress=p.kind if p else "", doing=sv.why,
+            ctx.restart_count, level=level, progress=progress_kind, doing=sv.why, recorded_by=ctx.node,
         )  # fmt: skip
-
-
-# Each node's latest stacks and progress while steps stall; its stacks again when it declares.
-HANG_VIEWS_KEY = "trainguard/hang/{attempt}/{node_rank}"
-HANG_DECIDED_KEY = "trainguard/hang/{attempt}/{node_rank}/declared"
 
 
 def _remote_stack(views: dict[int, RankView], rank: int | None) -> list[str]:
@@ -546,70 +624,9 @@ def _remote_stack(views: dict[int, RankView], rank: int | None) -> list[str]:
     return [f"{f.name} ({f.filename}:{f.line})" for f in view.frames] if view else []
 
 
-def _client(store: Any) -> Any:
-    """A connection of our own for this thread (TCPStore clients are cheap), else the shared one."""
-    try:
-        return store.clone()
-    except Exception:
-        return store
-
-
-def view_to_dict(v: RankView) -> dict[str, Any]:
-    return {
-        "state": v.state,
-        "frames": [[f.name, f.filename, f.line] for f in v.frames],
-        "busy": v.busy,
-        "error": v.error,
-        "last_step": v.last_step,
-    }
-
-
-def view_from_dict(rank: int, d: dict[str, Any]) -> RankView:
-    return RankView(
-        rank=rank,
-        state=str(d.get("state", "")),
-        frames=tuple(stacks.Frame(str(n), str(f), int(ln)) for n, f, ln in d.get("frames") or []),
-        busy=bool(d.get("busy")),
-        error=d.get("error"),
-        last_step=d.get("last_step"),
-    )
-
-
-def publish_views(
-    store: Any,
-    attempt: int,
-    node_rank: int,
-    views: dict[int, RankView],
-    progress: dict[int, str] | None = None,
-    key: str = HANG_VIEWS_KEY,
-) -> None:
-    """This node's views, each with the rank's progress kind (detect.progress) when judged."""
-    data = {str(r): {**view_to_dict(v), "progress": (progress or {}).get(r, "")} for r, v in views.items()}
-    store.set(key.format(attempt=attempt, node_rank=node_rank), json.dumps(data))
-
-
-def gather_views(
-    store: Any, attempt: int, node_rank: int, nnodes: int, wait_s: float, key: str = HANG_VIEWS_KEY
-) -> tuple[dict[int, RankView], dict[int, str]]:
-    """The other nodes' published views and progress kinds, waiting up to wait_s for all of them
-    (fewer is fine)."""
-    keys = [key.format(attempt=attempt, node_rank=n) for n in range(nnodes) if n != node_rank]
-    deadline = time.monotonic() + wait_s
-    while True:
-        ready = [k for k in keys if store.check([k])]
-        if len(ready) == len(keys) or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
-    views: dict[int, RankView] = {}
-    progress: dict[int, str] = {}
-    for key in ready:
-        try:
-            data = json.loads(store.get(key))
-            views.update({int(r): view_from_dict(int(r), d) for r, d in data.items()})
-            progress.update({int(r): str(d.get("progress") or "") for r, d in data.items()})
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("hang: ignoring malformed stacks under %s: %s", key, exc)
-    return views, progress
+def _by_node(nodes: list[NodeViews]) -> dict[str, dict]:
+    """What each node saw, by node name (node rank order)."""
+    return {nv.node: nv.evidence() for nv in sorted(nodes, key=lambda nv: nv.node_rank)}
 
 
 class HangMonitor(Monitor):
@@ -623,13 +640,22 @@ class HangMonitor(Monitor):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gpu: _Gpu | None = None
+        self._watch: _Watch | None = None
+        # The job's verdict, looked for from the agent's loop (several nodes): this attempt's
+        # exchange on the agent's own store connection, when it was last read, and whether a
+        # detected hang went to the policy already.
+        self._follower: HangExchange | None = None
+        self._followed_at = -math.inf
+        self._handed = False
 
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._stop_thread()
         with self._lock:
             self._evidence = []
         self._stop = threading.Event()
-        watch = _Watch(ctx, self.cfg, self._learned, None)
+        self._watch = watch = _Watch(ctx, self.cfg, self._learned, None)
+        self._follower = HangExchange.for_ctx(ctx, own_client=False)
+        self._followed_at, self._handed = -math.inf, False
         self._thread = threading.Thread(target=self._run, args=(watch, self._stop), name="trainguard-hang", daemon=True)
         self._thread.start()
 
@@ -637,6 +663,10 @@ class HangMonitor(Monitor):
         if self._gpu is None:  # NVML start-up can take a moment: never on the agent's thread
             self._gpu = _Gpu()
         watch.gpu = self._gpu
+        try:  # a store connection of the watch's own (it waits on the store at times)
+            watch.exchange = HangExchange.for_ctx(watch.ctx)
+        except Exception as exc:
+            log.warning("hang: no connection to the rendezvous store (%s): judging this node alone", exc)
         next_at = time.monotonic()
         while not stop.is_set():
             try:
@@ -658,12 +688,58 @@ class HangMonitor(Monitor):
 
     def poll(self, ctx: MonitorContext) -> HangEvidence | None:
         with self._lock:
-            if not self._evidence:
-                return None
             # A detected hang outranks a suspicion handed over in the same poll interval.
-            found = max(self._evidence, key=lambda e: e.level == "detected")
+            found = max(self._evidence, key=lambda e: e.level == "detected") if self._evidence else None
             self._evidence = []
+        if found is None:
+            found = self._follow(ctx)
+        if found is None or found.level != "detected":
+            return found
+        if self._handed:
+            return None  # one hang per attempt: the policy has decided on it
+        self._handed = True
         return found
+
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> HangEvidence | None:
+        """Workers failed while a hang verdict stands that the policy has not had yet: they failed
+        because of it (on several nodes: another node restarted on the job's verdict and these
+        ranks lost their peers), so the verdict goes with the failure."""
+        with self._lock:
+            found = next((e for e in self._evidence if e.level == "detected"), None)
+            self._evidence = []
+        if self._handed:
+            return None
+        if found is None and self._follower is not None:
+            try:
+                found = self._follower.verdict()
+            except Exception as exc:  # the store of a round whose host left
+                log.debug("hang: could not look for the job's verdict: %s", exc)
+        if found is None:
+            return None
+        self._handed = True
+        return dataclasses.replace(found, attempt=ctx.restart_count)
+
+    def _follow(self, ctx: MonitorContext) -> HangEvidence | None:
+        """The job's verdict, recorded by another node (looked up every FOLLOW_STALLED_S while
+        steps stall here, FOLLOW_IDLE_S otherwise): this node acts on it too. One recorded here
+        comes from the watch itself, after the other nodes acted on it."""
+        if self._follower is None or self._handed:
+            return None
+        now = time.monotonic()
+        every = FOLLOW_STALLED_S if self._watch is not None and self._watch.stalled else FOLLOW_IDLE_S
+        if now - self._followed_at < every:
+            return None
+        self._followed_at = now
+        try:
+            agreed = self._follower.verdict()
+        except Exception as exc:  # the store of a round whose host left: try again later
+            log.debug("hang: could not look for the job's verdict: %s", exc)
+            return None
+        if agreed is None or agreed.recorded_by == ctx.node:
+            return None
+        self._stop.set()  # this attempt's watch has nothing left to find
+        log.info("hang: acting on the job's verdict recorded by %s: culprit rank %s", agreed.recorded_by, agreed.rank)
+        return dataclasses.replace(agreed, attempt=ctx.restart_count)
 
     def _stop_thread(self) -> None:
         self._stop.set()

@@ -31,6 +31,7 @@ class HangReport:
     dumps: dict[int, StackDump]
     remote: dict[int, RankView] = field(default_factory=dict)  # other nodes' ranks
     level: str = "detected"  # or "suspected": steps stopped, the culprit still progresses
+    nodes: dict[str, dict] = field(default_factory=dict)  # several nodes: what each saw (NodeViews.evidence)
 
 
 def render(r: HangReport) -> str:
@@ -58,6 +59,7 @@ def render(r: HangReport) -> str:
         state = d.state if d else "?"
         mark = "  <== culprit" if rank == verdict.rank else ""
         lines.append(f"  rank {rank} (pid {pid}, state {state or 'gone'}): {position.describe()}{mark}")
+    lines += _nodes(r.nodes)
     lines += ["", "signals:"]
     lines += ["  " + ln for ln in json.dumps(assessment.signals, indent=2, default=str).splitlines()]
     lines += ["", "stacks (innermost frame first):"]
@@ -76,6 +78,20 @@ def render(r: HangReport) -> str:
             lines.append(f"  stack unavailable: {view.error}")
         lines += [f"      {fr.name} ({fr.filename}:{fr.line})" for fr in view.frames]
     return "\n".join(lines) + "\n"
+
+
+def _nodes(nodes: dict[str, dict]) -> list[str]:
+    """What each node saw when it judged the stall (the verdict is the job's, recorded once)."""
+    if not nodes:
+        return []
+    lines = ["", "nodes (what each node saw):"]
+    for name, n in nodes.items():
+        seen = "found no progress" if n.get("declared") else "latest view, had not judged it a hang"
+        candidate = f"candidate rank {n['culprit']}" if n.get("culprit") is not None else "no local candidate"
+        lines.append(f"  {name} (node rank {n.get('node_rank')}, {seen}): {candidate}: {n.get('reason') or '-'}")
+        for rank, x in n.get("ranks", {}).items():
+            lines.append(f"    rank {rank}: {x.get('progress') or 'not judged'}, {x.get('position') or x.get('state')}")
+    return lines
 
 
 def write_report(run_dir: Path, report: HangReport) -> Path:

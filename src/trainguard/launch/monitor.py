@@ -8,8 +8,8 @@ which the agent hands to the policy (``trainguard.policy``) and then carries out
 
 - ``on_before_start(ctx) -> CheckOutcome | None``  -> ``policy.decide_before_start``
 - ``poll(ctx) -> HangEvidence | StragglerEvidence | HardwareFault | None``  -> ``policy.decide_while_running``
-- ``on_workers_failed(ctx, failures) -> Diagnosis | HardwareReport | NodeLost | None``  -> ``policy.decide_on_failure``
-  (a ``NodeLost``: ``policy.decide_on_node_lost``)
+- ``on_workers_failed(ctx, failures) -> Diagnosis | HardwareReport | NodeLost | HangEvidence | None``  -> ``policy.decide_on_failure``
+  (a ``NodeLost``: ``policy.decide_on_node_lost``; a ``HangEvidence``: the job's hang verdict the failure follows from)
 
 A monitor never blocks the loop: ``poll`` must return within a few milliseconds and keep slow work
 (py-spy, disk) on its own threads. Any exception a monitor raises is caught (``MonitorSet``),
@@ -31,11 +31,13 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from trainguard.evidence import (
     CheckOutcome,
     Diagnosis,
+    HangEvidence,
     HardwareReport,
     NodeLost,
     RankFailure,
     RunningEvidence,
 )
+from trainguard.launch import stopsignal
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -120,6 +122,7 @@ class FailureFindings:
     diagnosis: Diagnosis | None = None
     hardware: HardwareReport | None = None
     lost: NodeLost | None = None  # the failure was another node vanishing (launch/liveness.py)
+    hang: HangEvidence | None = None  # the job's hang verdict stands: a node restarting on it failed these workers
 
 
 class Monitor:
@@ -145,7 +148,7 @@ class Monitor:
 
     def on_workers_failed(
         self, ctx: MonitorContext, failures: dict[int, RankFailure]
-    ) -> Diagnosis | HardwareReport | NodeLost | None:
+    ) -> Diagnosis | HardwareReport | NodeLost | HangEvidence | None:
         """Workers failed (global rank -> failure, first failure first), before the policy decides:
         what this monitor found out about it (a log diagnosis, a hardware check), if anything."""
         return None
@@ -168,7 +171,7 @@ class MonitorSet:
 
     def call(self, monitor: Monitor, hook: str, *args: Any) -> Any:
         try:
-            return getattr(monitor, hook)(*args)
+            got = getattr(monitor, hook)(*args)
         except SignalException:  # SIGTERM/USR1 reached the agent while a monitor ran: the stop goes on
             raise
         except Exception as exc:  # a monitor can never kill the job
@@ -182,7 +185,9 @@ class MonitorSet:
                     severity="warning",
                     evidence={"monitor": monitor.name, "hook": hook, "error": repr(exc)},
                 )
-            return None
+            got = None
+        stopsignal.raise_pending()  # a stop signal the monitor's own broad except swallowed
+        return got
 
     def each(self, hook: str, *args: Any) -> Iterator[Any]:
         """What each monitor's ``hook`` returned, skipping None (lazily: stop when you have enough)."""
@@ -203,6 +208,7 @@ class MonitorSet:
             diagnosis=next((f for f in found if isinstance(f, Diagnosis)), None),
             hardware=next((f for f in found if isinstance(f, HardwareReport)), None),
             lost=next((f for f in found if isinstance(f, NodeLost)), None),
+            hang=next((f for f in found if isinstance(f, HangEvidence)), None),
         )
 
     def notify(self, hook: str, *args: Any) -> None:

@@ -7,7 +7,9 @@ diagnosis of a failure reads only this run's lines.
 
 The first agent to get there proposes a run (a fresh id, and the attempt after the highest
 ``logs/attempt-<n>`` it finds); ``compare_set`` on the rendezvous store makes every node take the
-same one, nodes that join in a later round included. The scan happens before any worker of the new run starts (workers start
+same one, nodes that join in a later round included. Stores without ``compare_set`` (torch's
+``EtcdStore`` of an etcd rendezvous) agree through ``add``: the first to count 1 writes its proposal,
+the others wait for it. The scan happens before any worker of the new run starts (workers start
 after the rendezvous), so whichever node's proposal wins, its first attempt is past every
 directory an earlier run wrote. A node that already belongs to a run keeps it in later rounds.
 """
@@ -22,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from trainguard.launch import exchange
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +66,18 @@ def propose(run_dir: Path) -> RunInfo:
 
 def agree(store: Any, run_dir: Path, mine: RunInfo | None, job: str = "") -> RunInfo:
     """The run this node belongs to, agreed through the rendezvous store (``mine``: the run it
-    already belongs to, kept; ``job``: the rendezvous id). The key lives in the store under the
-    rounds' prefixes, so a node that joins in a later round gets the run the first round agreed on,
-    not one of its own. Without a store that can compare-and-set, the node's own proposal."""
+    already belongs to, kept; ``job``: the rendezvous id). ``store`` is the rendezvous' store under
+    the rounds' prefixes (``torch_compat.rendezvous_base_store``), so a node that joins in a later
+    round gets the run the first round agreed on, not one of its own. Without a store that answers,
+    the node's own proposal."""
     offer = mine or propose(run_dir)
     if store is None:
         return offer
-    base = getattr(store, "underlying_store", None) or store  # torch's per-round PrefixStore: one key for every round
+    key = f"{RUN_KEY}/{job}"
     try:
-        got = base.compare_set(f"{RUN_KEY}/{job}", "", offer.to_json())
-        agreed = RunInfo.from_json(got)
-    except Exception as exc:  # a store without compare_set (or gone): the scan alone keeps runs apart
+        agreed = RunInfo.from_json(exchange.first_writer(store, key, offer.to_json())[1])
+    except Exception as exc:  # the store is gone or refuses: the scan alone keeps runs apart
         log.info("run id not agreed through the store (%s): using this node's own", exc)
         return offer
     return mine or agreed
+

@@ -21,10 +21,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from trainguard.detect import straggler as S
 from trainguard.evidence import StragglerEvidence
+from trainguard.launch import exchange
 from trainguard.launch.monitor import Monitor, MonitorContext
 from trainguard.options import given, non_negative, positive, positive_int
 
@@ -75,14 +75,6 @@ class _Exchange:
     followed_at: float = 0.0  # follower: when it last read the leader's verdicts
 
 
-def _get_all(store: Any, keys: list[str]) -> list[bytes]:
-    """The values of keys that exist: one round trip where the store can (multi_get), not one per key."""
-    try:
-        return list(store.multi_get(keys))
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return [store.get(k) for k in keys]
-
-
 class StragglerMonitor(Monitor):
     name = "straggler"
 
@@ -116,14 +108,7 @@ class StragglerMonitor(Monitor):
 
     # ---- exchange through the rendezvous store ------------------------------------------------
     def _key(self, ctx: MonitorContext, window: int, node_rank: int) -> str:
-        # A c10d rendezvous store is scoped to the round (every restart is a new round), and agents
-        # that joined at different times count attempts differently: no attempt in the key there.
-        # The static rendezvous reuses one store for every attempt (all agents restart together).
-        return f"{STORE_PREFIX}/{self._scope(ctx)}w{window}/n{node_rank}"
-
-    @staticmethod
-    def _scope(ctx: MonitorContext) -> str:
-        return f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
+        return f"{STORE_PREFIX}/{exchange.scope(ctx)}w{window}/n{node_rank}"
 
     def _exchange_and_detect(self, ctx: MonitorContext) -> StragglerEvidence | None:
         ex = self._exchange
@@ -157,7 +142,7 @@ class StragglerMonitor(Monitor):
         return self._report(ctx, verdicts)
 
     def _verdicts_key(self, ctx: MonitorContext) -> str:
-        return f"{STORE_PREFIX}/{self._scope(ctx)}verdicts"
+        return f"{STORE_PREFIX}/{exchange.scope(ctx)}verdicts"
 
     def _publish_verdicts(self, ctx: MonitorContext, ex: _Exchange, verdicts: list[S.Verdict]) -> None:
         """Every straggler the leader found this attempt (first verdict of each), and the newest
@@ -191,7 +176,7 @@ class StragglerMonitor(Monitor):
         for w in ex.published[:4]:
             keys = [self._key(ctx, w, n) for n in range(ctx.nnodes)]
             if ctx.store.check(keys):
-                ex.merged[w] = [S.RankWindow.from_dict(d) for blob in _get_all(ctx.store, keys) for d in json.loads(blob)]
+                ex.merged[w] = [S.RankWindow.from_dict(d) for blob in exchange.get_all(ctx.store, keys) for d in json.loads(blob)]
                 complete.append(w)
         if complete:  # an older window still missing somewhere was lost there (a rank lost records)
             ex.published = [w for w in ex.published if w > max(complete)]

@@ -197,7 +197,8 @@ class JobSummary:
         n.hangs += 1
         ev = e.evidence
         self.hangs.append({"time": e.time, "node": n.node, "rank": e.rank, "message": e.message,
-                           "report": ev.get("report"), "cause": ev.get("cause") or ev.get("rule")})
+                           "report": ev.get("report"), "cause": ev.get("cause") or ev.get("rule"),
+                           "nodes": sorted(ev.get("nodes") or {})})
 
     def _on_straggler_detected(self, n: NodeState, e: Event) -> None:
         entry = {"time": e.time, "node": n.node, "rank": e.rank, "message": e.message,
