@@ -1,4 +1,4 @@
-"""The part of a chaos injection that lasts: a CPU load, a filled disk, a network fault — held
+"""The part of a chaos injection that lasts: a CPU load, a filled disk, a network fault, a held rank — held
 for a bounded time in a detached process, then reverted (``chaos_reverted`` event).
 
 Run as ``python -m trainguard.chaos.background SPEC_JSON``; ``start`` does that. Every loop is
@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from trainguard.chaos import hold
 
 MAX_DURATION_S = 3600.0
 FILL_CHUNK = 16 << 20
@@ -80,8 +82,6 @@ def _run(cmd: list[str]) -> None:
 
 
 def main(spec: dict[str, Any]) -> None:
-    from trainguard.chaos import event_db
-    from trainguard.events import EventBus, EventStore
 
     signal.signal(signal.SIGTERM, _on_term)
     until = time.monotonic() + min(float(spec["duration"]), MAX_DURATION_S)
@@ -90,6 +90,9 @@ def main(spec: dict[str, Any]) -> None:
         with contextlib.suppress(_Stop):
             if fault == "slow":
                 cpu_load(spec.get("cpu"), float(spec["percent"]), until)
+            elif fault == "hang":  # the agent holds the rank while the request is there
+                while time.monotonic() < until and hold.request_path(Path(spec["run_dir"]), spec["rank"]).exists():
+                    time.sleep(min(0.5, max(0.0, until - time.monotonic())))
             elif fault == "fill-disk":
                 detail = f"{fill_disk(Path(spec['file']), int(spec['size']), int(spec['leave']), until)} bytes written"
             else:  # network faults: the change is made already, hold it
@@ -101,11 +104,22 @@ def main(spec: dict[str, Any]) -> None:
                 os.unlink(spec["file"])
         for cmd in spec.get("revert", []):
             _run(cmd)
-        store = EventStore(event_db(spec["run_dir"]))
+        # A hold that ended already (the rank was restarted) was reported by the agent.
+        if fault != "hang" or hold.withdraw(Path(spec["run_dir"]), spec["rank"], spec["id"]):
+            _reverted(spec, detail)
+
+
+def _reverted(spec: dict[str, Any], detail: str) -> None:
+    from trainguard.chaos import event_db
+    from trainguard.events import EventBus, EventStore
+
+    store = EventStore(event_db(spec["run_dir"]))
+    try:
         EventBus(store, node=spec["node"]).emit(
-            "chaos_reverted", f"chaos {fault} on {spec['node']} reverted {detail}".strip(),
-            evidence={"fault": fault, "injection": spec["id"]},
+            "chaos_reverted", f"chaos {spec['fault']} on {spec['node']} reverted {detail}".strip(),
+            rank=spec.get("rank"), evidence={"fault": spec["fault"], "injection": spec["id"]},
         )  # fmt: skip
+    finally:
         store.close()
 
 

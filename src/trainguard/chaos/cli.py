@@ -5,8 +5,12 @@ tree with --what node), stop / cont (SIGSTOP / SIGCONT a rank or a node's worker
 load of --percent sharing the rank's core for --duration s, as seed 004's chaos experiment),
 fill-disk (fill --path up to --size MB or --leave-mb free, for --duration s, then delete it),
 corrupt-ckpt (overwrite bytes in the middle of the newest trainguard.checkpoint step in
---ckpt-dir), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
-(link down), net-delay / net-loss (tc netem; kernels without the netem qdisc get a clear error).
+--ckpt-dir), hang (the rank blocks before its next collective, at its call site, while the others
+wait in theirs; released after --duration s if given, else held until the job restarts the rank;
+needs trainguard's worker hooks, chaos/hold.py), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
+(link down), net-delay (tc netem; kernels without the netem qdisc get a clear error), net-loss
+(tc netem, else a random-drop iptables rule: the same loss of outgoing packets), net-slow (a tc
+tbf token bucket: a thin link at --rate-kbit, slow but not cut).
 Lasting faults are held by a detached process and reverted after --duration (bounded).
 Every injection is recorded as a ``chaos_injected`` event on the target node, so reports join
 cause and verdict.
@@ -18,6 +22,7 @@ import argparse
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,15 +33,21 @@ from typing import Any
 
 import psutil
 
-from trainguard.chaos import background, event_db
+from trainguard.chaos import background, event_db, hold
 from trainguard.chaos.targets import Target, TargetError, resolve
 from trainguard.events import EventBus, EventStore
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.options import positive
 from trainguard.view.rundir import NotARunDir, check_run_dir
 
-FAULTS = ["kill", "stop", "cont", "slow", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss"]
-NET_FAULTS = ("net-cut", "net-delay", "net-loss")
+FAULTS = ["kill", "stop", "cont", "slow", "hang", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss",
+          "net-slow"]  # fmt: skip
+
+
+DEFAULT_DURATION_S = 30.0
+TBF_MIN_BURST = 8 * 1514  # bytes: a few full Ethernet frames
+TBF_LATENCY_MS = 500  # how long a packet may queue at the thin link before it is dropped
+HOLD_ANSWER_S = 20.0  # the agent answers a hold request within a tick (0.2 s); generous for loaded machines
 
 
 class ChaosError(Exception):
@@ -52,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what", choices=["worker", "agent", "node"], default=None,
                    help="kill: the rank's worker (default with --rank), the node's agent, or the node's whole "
                         "process tree (default with --node)")  # fmt: skip
-    p.add_argument("--duration", type=positive, default=30.0, help="seconds a lasting fault is held (default 30, at most 3600)")
+    p.add_argument("--duration", type=positive, default=None,
+                   help=f"seconds a lasting fault is held (default {DEFAULT_DURATION_S:g}; hang: until the job restarts the "
+                        f"rank), at most {background.MAX_DURATION_S:g}")  # fmt: skip
     p.add_argument("--percent", type=positive, default=90.0, help="slow: CPU load in %% of the rank's core (default 90)")
     p.add_argument("--path", type=Path, help="fill-disk: a directory on the disk to fill")
     p.add_argument("--size-mb", type=positive, default=1024.0, help="fill-disk: write at most this much (default 1024)")
@@ -61,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="corrupt-ckpt: the job's trainguard.checkpoint directory (default RUN_DIR/checkpoints)")
     p.add_argument("--delay-ms", type=positive, default=200.0, help="net-delay: added delay (default 200)")
     p.add_argument("--loss", type=positive, default=10.0, help="net-loss: packets lost in %% (default 10)")
+    p.add_argument("--rate-kbit", type=positive, default=1000.0,
+                   help="net-slow: the node's outgoing bandwidth in kbit/s (default 1000)")  # fmt: skip
 
 
 def _signal(pids: list[int], sig: signal.Signals) -> list[int]:
@@ -93,6 +108,29 @@ def _slow(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, An
     cpu = psutil.Process(pid).cpu_num()
     spec.update(cpu=cpu, percent=min(args.percent, 100.0))
     return {"cpu": cpu, "percent": spec["percent"], "holder": background.start(spec, _log(run_dir, spec))}
+
+
+def _hang(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Ask the rank's agent to hold it (chaos/hold.py) and wait for its answer."""
+    if t.rank is None:
+        raise ChaosError("hang needs --rank")
+    req = hold.HoldRequest(spec["id"], t.rank, t.workers[t.rank])
+    hold.request(run_dir, req)
+    deadline = time.monotonic() + HOLD_ANSWER_S
+    while (answer := hold.answered(run_dir, t.rank, req.id)) is None:
+        if time.monotonic() > deadline:
+            hold.withdraw(run_dir, t.rank, req.id)
+            hold.ack_path(run_dir, t.rank).unlink(missing_ok=True)  # a late answer
+            raise ChaosError(f"node {t.node}'s agent did not answer the hold of rank {t.rank} within {HOLD_ANSWER_S:g}s")
+        time.sleep(0.1)
+    if not answer["held"]:
+        hold.withdraw(run_dir, t.rank, req.id)
+        raise ChaosError(f"cannot hang rank {t.rank}: {answer['why']}")
+    detail: dict[str, Any] = {"pid": req.pid, "duration": args.duration}
+    if args.duration is not None:  # a holder releases it; without one the hold ends with the worker
+        spec.update(rank=t.rank)
+        detail["holder"] = background.start(spec, _log(run_dir, spec))
+    return detail
 
 
 def _fill_disk(args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
@@ -135,24 +173,62 @@ def _netns_of(pid: int) -> tuple[str, str]:
     return name, dev
 
 
+def _apply(cmd: list[str]) -> str | None:
+    """Run one change; None when it worked, else its first error line."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode == 0:
+        return None
+    return done.stderr.strip().splitlines()[0] if done.stderr.strip() else f"exit {done.returncode}"
+
+
+def _no_netem(why: str) -> bool:
+    return any(w in why.lower() for w in ("netem", "unknown", "not found"))
+
+
+def _tbf(rate_kbit: float) -> list[str]:
+    """A thin link: token bucket at ``rate_kbit``. The bucket holds at least a few full frames (a
+    smaller one would drop every full-size packet: dead, not slow) and the queue TBF_LATENCY_MS of
+    traffic, so packets wait rather than drop."""
+    burst = max(TBF_MIN_BURST, int(rate_kbit * 1000 / 8 / 100))  # >= rate/HZ at HZ=100
+    return ["root", "tbf", "rate", f"{rate_kbit:g}kbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+
+
+def _loss_rule(dev: str, loss: float, injection: str) -> list[str]:
+    """An iptables rule that drops ``loss`` %% of the node's outgoing packets at random (what
+    netem's loss does, for kernels without netem), named by the injection so its revert deletes
+    exactly this rule."""
+    return ["OUTPUT", "-o", dev, "-m", "statistic", "--mode", "random", "--probability", f"{loss / 100:.4f}",
+            "-m", "comment", "--comment", f"trainguard-chaos-{injection}", "-j", "DROP"]  # fmt: skip
+
+
 def _net(fault: str, args: argparse.Namespace, t: Target, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    if fault == "net-loss" and args.loss > 100:
+        raise ChaosError(f"--loss is a percentage: at most 100, got {args.loss:g}")
     pid = t.agent or next(iter(t.workers.values()))
     ns, dev = _netns_of(pid)
     inside = ["ip", "netns", "exec", ns]
+    tc = [*inside, "tc", "qdisc"]
     if fault == "net-cut":
         change, revert = [*inside, "ip", "link", "set", dev, "down"], [*inside, "ip", "link", "set", dev, "up"]
+    elif fault == "net-slow":
+        change, revert = [*tc, "add", "dev", dev, *_tbf(args.rate_kbit)], [*tc, "del", "dev", dev, "root"]
     else:
         netem = ["delay", f"{args.delay_ms:g}ms"] if fault == "net-delay" else ["loss", f"{args.loss:g}%"]
-        change = [*inside, "tc", "qdisc", "add", "dev", dev, "root", "netem", *netem]
-        revert = [*inside, "tc", "qdisc", "del", "dev", dev, "root"]
-    done = subprocess.run(change, capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        why = done.stderr.strip().splitlines()[0] if done.stderr.strip() else f"exit {done.returncode}"
-        if fault != "net-cut" and ("netem" in why.lower() or "unknown" in why.lower() or "not found" in why.lower()):
+        change, revert = [*tc, "add", "dev", dev, "root", "netem", *netem], [*tc, "del", "dev", dev, "root"]
+    how = {"net-cut": "link down", "net-slow": "tbf"}.get(fault, "netem")
+    why = _apply(change)
+    if why is not None and fault == "net-loss" and _no_netem(why):
+        if shutil.which("iptables") is None:
+            raise ChaosError(f"net-loss needs the netem qdisc or iptables; this host has neither ({why})")
+        rule = _loss_rule(dev, args.loss, spec["id"])
+        change, revert, how = [*inside, "iptables", "-A", *rule], [*inside, "iptables", "-D", *rule], "iptables"
+        why = _apply(change)
+    if why is not None:
+        if fault in ("net-delay", "net-loss") and _no_netem(why):
             raise ChaosError(f"{fault} needs the netem qdisc, which this kernel lacks ({why})")
         raise ChaosError(f"{' '.join(change)}: {why}")
     spec["revert"] = [revert]
-    return {"netns": ns, "dev": dev, "holder": background.start(spec, _log(run_dir, spec))}
+    return {"netns": ns, "dev": dev, "how": how, "holder": background.start(spec, _log(run_dir, spec))}
 
 
 def _log(run_dir: Path, spec: dict[str, Any]) -> Path:
@@ -163,12 +239,14 @@ def inject(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, A
     t = resolve(run_dir, rank=args.rank, node=args.node)
     fault = args.fault
     spec = {"id": f"{int(time.time())}-{secrets.token_hex(3)}", "fault": fault, "run_dir": str(run_dir),
-            "node": t.node, "duration": min(args.duration, background.MAX_DURATION_S)}  # fmt: skip
+            "node": t.node, "duration": min(args.duration or DEFAULT_DURATION_S, background.MAX_DURATION_S)}  # fmt: skip
     if fault == "kill":
         return t, _kill(t, args.what or ("worker" if t.rank is not None else "node"))
     if fault in ("stop", "cont"):
         sig = signal.SIGSTOP if fault == "stop" else signal.SIGCONT
         return t, {"signal": sig.name, "pids": _signal(list(t.workers.values()), sig)}
+    if fault == "hang":
+        return t, _hang(t, args, run_dir, spec)
     if fault == "slow":
         return t, {**_slow(t, args, run_dir, spec), "duration": spec["duration"]}
     if fault == "fill-disk":

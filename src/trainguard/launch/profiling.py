@@ -7,6 +7,9 @@
   flag words, appends every new record to ``RUN_DIR/profiling/<rank>/<timestamp>`` with the seed's
   rotation and aging, and sums spans per step and per window for the straggler monitor
   (launch/straggler.py, which gets every finished window of this node).
+- It also carries out ``trainguard chaos hang`` (chaos/hold.py): a hold request for one of its
+  ranks sets that rank's FLAG_HOLD bit, so the worker blocks before its next collective, until
+  the request is withdrawn or the held worker is gone (one stat of the run's chaos dir per tick).
 - ``poll`` feeds each rank's new steps (from the always-on step history in the ring header) into
   ``ctx.steps``, where the hang monitor reads them.
 """
@@ -27,6 +30,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from trainguard.chaos import hold
 from trainguard.detect import straggler as S
 from trainguard.launch import profile_files as pf
 from trainguard.launch.monitor import Monitor, MonitorContext, StepSample
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.2  # background thread period
 AGING_EVERY_S = 2.0
+HOLD_GRACE_S = 2.0  # a hold request waits this long for the rank's ring before it is refused
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,9 @@ class ProfilingMonitor(Monitor):
         self._ranks: dict[int, _Rank] = {}
         self._expected: dict[int, str] = {}
         self._switch_stat: tuple[int, int] | None = None
+        self._chaos_stat: tuple[int, int] | None = None
+        self._held: dict[int, hold.HoldRequest] = {}  # rank -> the chaos hang request applied to it
+        self._seen: dict[str, float] = {}  # request id -> when first seen without an answer
         self._last_aging = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,6 +158,8 @@ class ProfilingMonitor(Monitor):
             self._expected = {}
         self._tick()
         sweep_rings(self.prefix)
+        for rank, req in list(self._held.items()):
+            self._end_hold(rank, req, "the job ended")
 
     def poll(self, ctx: MonitorContext) -> None:
         with self._lock:
@@ -184,6 +194,7 @@ class ProfilingMonitor(Monitor):
         with self._tick_lock:
             self._check_switch()
             self._open_rings()
+            self._check_holds()
             with self._lock:
                 ranks = dict(self._ranks)
                 retired = [r for r, st in ranks.items() if self._expected.get(r) != st.reader.path]
@@ -292,11 +303,77 @@ class ProfilingMonitor(Monitor):
         self._emit("profiling_switch", f"lightweight profiling switched: {json.dumps(pf.switch_dict(flags))}",
                    "info", pf.switch_dict(flags))
 
+    # ---- chaos hang ----------------------------------------------------------------------------
+    def _flags_for(self, rank: int) -> int:
+        return self.flags | (R.FLAG_HOLD if rank in self._held else 0)
+
+    def _check_holds(self) -> None:
+        """Apply, refuse or end the run's hold requests for this node's ranks."""
+        if self.run_dir is None:
+            return
+        try:
+            st = hold.chaos_dir(self.run_dir).stat()
+            stat: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            stat = None
+        if stat == self._chaos_stat and not self._held and not self._seen:
+            return  # nothing asked, nothing held: the common case costs one stat
+        self._chaos_stat = stat
+        with self._lock:
+            rings = {r: st.reader for r, st in self._ranks.items() if self._expected.get(r) == st.reader.path}
+            local = set(self._expected)
+        asked = hold.pending(self.run_dir)
+        for rank, req in list(self._held.items()):
+            if asked.get(rank) != req:
+                del self._held[rank]  # withdrawn (released) or replaced
+        wanted = {r: q for r, q in asked.items() if r in local}
+        for rank, req in wanted.items():
+            reader = rings.get(rank)
+            if reader is not None and _same_worker(reader.pid, req.pid):
+                if self._held.get(rank) != req:
+                    self._held[rank] = req
+                    hold.answer(self.run_dir, req, True)
+                    self._seen.pop(req.id, None)
+            elif not psutil.pid_exists(req.pid):
+                if self._held.get(rank) == req:
+                    self._end_hold(rank, req, f"its worker (pid {req.pid}) is gone")
+                else:  # answered, not withdrawn: whoever asked removes the request and the answer
+                    hold.answer(self.run_dir, req, False, f"rank {rank}'s worker (pid {req.pid}) is gone")
+            elif req.id in self._seen and time.monotonic() - self._seen[req.id] >= HOLD_GRACE_S:
+                del self._seen[req.id]
+                hold.answer(self.run_dir, req, False,
+                            f"rank {rank}'s worker (pid {req.pid}) has no trainguard worker hooks to hold it (started "
+                            "without instrumentation, e.g. --auto-instrument off with --no-python, or no step finished yet)")
+            else:
+                self._seen.setdefault(req.id, time.monotonic())
+        self._seen = {i: t for i, t in self._seen.items() if any(q.id == i for q in wanted.values())}
+        for rank, reader in rings.items():
+            want = self._flags_for(rank)
+            if reader.flags != want:
+                reader.set_flags(want)
+
+    def _end_hold(self, rank: int, req: hold.HoldRequest, why: str) -> None:
+        """The held worker is gone (restarted, job over): the request goes, said once."""
+        self._held.pop(rank, None)
+        if hold.withdraw(self.run_dir, rank, req.id):  # type: ignore[arg-type]
+            self._emit("chaos_reverted", f"chaos hang on rank {rank} ended: {why}", "info",
+                       {"fault": "hang", "injection": req.id}, rank=rank)
+
     def _emit(self, kind: str, message: str, severity: str, evidence: dict, rank: int | None = None) -> None:
         if self._bus is not None:
             self._bus.emit(kind, message, severity=severity, rank=rank, evidence=evidence)
         else:
             log.info("%s: %s", kind, message)
+
+
+def _same_worker(ring_pid: int, worker_pid: int) -> bool:
+    """The ring's writer is the worker, or a process it started (a wrapper's Python)."""
+    if ring_pid == worker_pid:
+        return True
+    try:
+        return any(p.pid == worker_pid for p in psutil.Process(ring_pid).parents())
+    except psutil.Error:
+        return False
 
 
 _RING_NAME = re.compile(r"trainguard-(\d+)-[0-9a-f]{8}-a\d+-r\d+")

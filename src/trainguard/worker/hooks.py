@@ -16,6 +16,9 @@
   ``_register_builtin_comm_hook`` swaps the inner hook instead of failing. A rank that waits for a
   straggler therefore shows long Communication; the straggler itself shows short. Async
   collectives (``async_op=True``) are timed to their launch only.
+- ``trainguard chaos hang``: the collective wrappers and the DDP comm hook read the ring's flag
+  word once per call anyway; while the agent sets FLAG_HOLD there, the rank blocks at that call
+  (``chaos_hang_before_collective``) before the collective starts.
 - SaveCheckpoint: ``torch.save`` and ``torch.distributed.checkpoint.save`` (and ``async_save``,
   to its launch), outermost call only.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from time import perf_counter_ns
@@ -60,7 +64,8 @@ COLLECTIVES = (
     "gather_object",
     "scatter_object_list",
 )
-FORWARD_CALIBRATION_CALLS = 256  # without an optimizer step, settle the top-level modules after this
+FORWARD_CALIBRATION_CALLS = 256
+HOLD_POLL_S = 0.05  # how often a held rank looks whether `trainguard chaos hang` released it  # without an optimizer step, settle the top-level modules after this
 
 _tls = threading.local()  # .comm / .ckpt: nesting depth, so only the outermost call is a span
 
@@ -220,10 +225,20 @@ def _first_tensor(args: tuple, kwargs: dict) -> Any:
     return t
 
 
+def chaos_hang_before_collective(rec: Recorder) -> None:
+    """`trainguard chaos hang`: block here, at the collective's call site, while the agent holds
+    this rank (the flag word's FLAG_HOLD). The name is what py-spy shows on top of the stack."""
+    while rec.flags() & R.FLAG_HOLD:
+        time.sleep(HOLD_POLL_S)
+
+
 def _wrap_collective(rec: Recorder, orig: Callable) -> Callable:
     @functools.wraps(orig)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        if not rec.flags() & R.FLAG_COMM or getattr(_tls, "comm", 0):
+        flags = rec.flags()  # one read of the shared flag word: the hot path's only cost
+        if flags & R.FLAG_HOLD:
+            chaos_hang_before_collective(rec)
+        if not flags & R.FLAG_COMM or getattr(_tls, "comm", 0):
             return orig(*args, **kwargs)
         t = _first_tensor(args, kwargs)
         cuda = not kwargs.get("async_op", False) and getattr(t, "is_cuda", False)
@@ -271,7 +286,10 @@ class _CommHookState:
 def _trainguard_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     # No annotations: DDP checks them against dist.GradBucket / Future[Tensor] (strings here would fail).
     rec = state.rec
-    if not rec.flags() & R.FLAG_COMM:
+    flags = rec.flags()
+    if flags & R.FLAG_HOLD:
+        chaos_hang_before_collective(rec)
+    if not flags & R.FLAG_COMM:
         return state.inner(state.inner_state, bucket)
     cuda = bucket.buffer().is_cuda
     begun = rec.cuda_begin() if cuda else perf_counter_ns()

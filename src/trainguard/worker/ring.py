@@ -49,6 +49,9 @@ KIND_NAMES = {
 # on and off together (BASIC); Communication separately, and only while BASIC is on.
 FLAG_BASIC = 1
 FLAG_COMM = 2
+# Not a span switch: `trainguard chaos hang` holds the rank before its next collective while set
+# (worker/hooks.py checks it in the collective wrappers; the agent sets it, launch/profiling.py).
+FLAG_HOLD = 1 << 8
 KIND_FLAG = {
     STEP: FLAG_BASIC,
     FP: FLAG_BASIC,
