@@ -196,10 +196,10 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
             agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
             if node.index == 1 and backend == "c10d":
                 time.sleep(1.0)  # node 1 hosts the store: let it bind first
-        formed = wait(lambda: [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3],
-                      "all three nodes in one round")  # fmt: skip
+        formed = wait(lambda: [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3
+                               and e.evidence["group_rank"] == 0], "all three nodes in one round")  # fmt: skip
         if fault == "store-host-kill" and backend == "etcd-v2":  # the node of group rank 0 hosts the workers' store
-            victim = int(next(e.node for e in formed if e.evidence["group_rank"] == 0)[1:])
+            victim = int(formed[0].node[1:])
             chaos_args = ["kill", "--node", f"n{victim}", "--what", "node"]
         row.fault = f"{fault} ({backend})" if fault == "store-host-kill" else fault
         wait(lambda: max((s for s, _ in steps(run)), default=0) >= 15, "step 15")
