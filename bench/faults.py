@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -122,6 +123,30 @@ def job_processes(run: Path) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return mine
+
+
+def rescue_like_the_next_agent(dead_agent: int, ckpt: Path) -> int:
+    """The shared memory a SIGKILLed agent left (its newest snapshots) is taken by the next agent
+    that starts on the node: persisted to the dead one's checkpoint dir, then removed. Do that for
+    its directories only (moved aside first, so no other job's are touched); raises when one is
+    still held (its owner alive) or its snapshots were not persisted."""
+    from trainguard.checkpoint.persist import rescue_orphan
+    from trainguard.checkpoint.shm import DIR_PREFIX, remove_stale_dirs
+
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"{DIR_PREFIX}{dead_agent}-")]
+    if not mine:
+        return 0
+    aside = Path(tempfile.mkdtemp(prefix="tgfaults-rescue-", dir="/dev/shm"))
+    try:
+        for name in mine:
+            os.rename(f"/dev/shm/{name}", aside / name)
+        rescued: list = []
+        taken = remove_stale_dirs(aside, lambda d: rescued.extend(rescue_orphan(d, lambda *a, **k: None, default_ckpt_dir=ckpt)))
+        if len(taken) != len(mine):
+            raise RuntimeError(f"{len(mine) - len(taken)} of the killed agent's shm dirs are still held")
+        return len(taken)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _revert(run: Path) -> None:
@@ -254,6 +279,9 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         # (here the nodes share the host's /dev/shm; its next agent there would remove it): not
         # counted, removed below. Every other node's must be gone.
         gone = {agents[victim - 1].pid} if victim and fault in KILLS else set()
+        if fault == "agent-kill":  # the node lives on: what its next agent does first (issue 18.12)
+            rescued = rescue_like_the_next_agent(agents[victim - 1].pid, ckpt)
+            row.note = f"next agent on n{victim} rescued {rescued} snapshot dir(s) the killed one held"
         shm_left = [n for n in os.listdir("/dev/shm") if any(str(a.pid) in n for a in agents if a.pid not in gone)]
         row.survived = bool(finished) and not left and not shm_left and (row.lost or 0) <= 1 and not (slow and evs)
         if not finished:
