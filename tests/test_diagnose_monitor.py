@@ -74,6 +74,25 @@ def test_monitor_uses_error_file_data_and_log_tails_without_logs(tmp_path: Path)
         store.close()
 
 
+def test_a_node_whose_ranks_only_lost_their_peer_points_elsewhere(tmp_path: Path):
+    """A node whose first failure is a closed gloo connection did not cause it: its diagnosis says
+    the cause is on another node instead of blaming the network; a real failure here is unchanged."""
+    ctx, store = _ctx(tmp_path, restart_count=0)
+    mon = diagnosis_monitor.create(_options())
+    lost = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:41522"
+    try:
+        failures = {1: RankFailure(local_rank=1, pid=101, exitcode=1, log_tail=("step=7 rank=1", lost), first_failure=True)}
+        d = mon.on_workers_failed(ctx, failures)
+        assert d.summary.startswith("lost a peer on another node") and d.details["cause_elsewhere"] is True
+        assert "other nodes' events" in d.fix
+        failures = {1: RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL", first_failure=True),
+                    0: RankFailure(local_rank=0, pid=100, exitcode=1, log_tail=(lost,))}  # fmt: skip
+        d = mon.on_workers_failed(ctx, failures)
+        assert not d.summary.startswith("lost a peer") and "cause_elsewhere" not in d.details
+    finally:
+        store.close()
+
+
 def test_monitor_never_raises_and_can_be_switched_off(tmp_path: Path):
     assert diagnosis_monitor.create(_options("--no-diagnose")) is None
     ctx, store = _ctx(tmp_path)

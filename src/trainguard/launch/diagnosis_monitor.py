@@ -15,12 +15,14 @@ killed_external (not by the OOM killer), not host_oom.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainguard.evidence import Diagnosis, RankFailure
+from trainguard.launch.failures import lost_peer
 from trainguard.launch.logs import attempt_dir
 from trainguard.launch.monitor import Monitor, MonitorContext
 from trainguard.options import SettingsError, given, positive
@@ -67,6 +69,22 @@ def create(options: argparse.Namespace) -> Monitor | None:
         except RuleError as exc:
             raise SettingsError(f"--diagnose-rules: {exc} (or --no-diagnose to switch diagnosis off)") from None
     return DiagnosisMonitor(list(settings.rules), int(settings.max_mb * (1 << 20)))
+
+
+def _elsewhere(diagnosis: Diagnosis, failures: dict[int, RankFailure]) -> Diagnosis:
+    """When this node's first failure only lost its peer (a gloo/NCCL connection closed by another
+    node), the logs here show a network error, but the cause is on the node that went first (killed,
+    lost, restarting on a verdict): say so instead of blaming the network."""
+    first = next((f for f in failures.values() if f.first_failure), None)
+    if first is None or not lost_peer(first):
+        return diagnosis
+    return dataclasses.replace(
+        diagnosis,
+        summary=f"lost a peer on another node, where the cause is (this node's logs: {diagnosis.summary})",
+        fix="Look at the other nodes' events (node_lost, their diagnosis, a hang verdict): this node's "
+        "ranks only lost their connection to a rank that failed or stopped first.",
+        details={**diagnosis.details, "cause_elsewhere": True},
+    )
 
 
 def _jsonable_failures(failures: dict[int, RankFailure]) -> dict[int, dict[str, Any]]:
@@ -127,7 +145,7 @@ class DiagnosisMonitor(Monitor):
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> Diagnosis:
         try:
-            diagnosis = self.diagnose(ctx, failures)
+            diagnosis = _elsewhere(self.diagnose(ctx, failures), failures)
         except Exception as exc:  # never let the diagnosis take the agent down
             log.warning("diagnosis failed: %s", exc)
             diagnosis = Diagnosis("unknown", summary=f"diagnosis failed: {exc}")
