@@ -15,11 +15,11 @@ pytestmark = pytest.mark.slow
 def test_hang_busy_loop_through_trainguard_run(jobs, tmp_path: Path) -> None:
     """An endless `while True` loop cannot be told from long work within seconds: it is a
     suspicion (warning) at once, and a detected hang when no step finished for
-    --hang-detect-time (here 0.5 min)."""
+    --hang-detect-time (here 0.25 min)."""
     run = tmp_path / "run"
     job = jobs(
         "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", run,
-        "--hang-period", "0.5", "--hang-step-slack", "3", "--hang-detect-time", "0.5",
+        "--hang-period", "0.5", "--hang-step-slack", "3", "--hang-detect-time", "0.25",
         SCRIPTS / "hang_worker.py", "--steps", "30", "--fault", "spin", "--fault-rank", "0", "--fault-step", "10",
     )  # fmt: skip
     assert job.wait() == 0, job.output()
