@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
-from tgtest import EXAMPLE, events
+from tgtest import EXAMPLE, events, wait_event
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +55,21 @@ def test_a_crash_before_the_script_finished_still_restarts(tmp_path, jobs):
                      "--fail-rank", "1", "--fail-step", "2", "--fail-mode", "kill"))  # fmt: skip
     assert job.wait() == 0, job.output()
     assert len(events(run_dir, "job_started")) == 2 and events(run_dir, "worker_exit_crash") == []
+
+
+def test_workers_sigtermed_before_their_agent_are_a_preemption_not_a_failure(tmp_path, jobs):
+    """A scheduler stopping a job sends SIGTERM to every process of it, in no order (Slurm's
+    requeue): here the workers get theirs first, and the agent its own once it has seen them die.
+    The agent waits for that signal and the job ends preempted (snapshots persisted, exit 143);
+    before, with no restarts left, it was recorded as a failed job by then."""
+    run_dir = tmp_path / "R"
+    job = jobs(*_run(run_dir, 0, "--steps", "100000", "--step-time-ms", "20", "--ckpt", "trainguard", "--ckpt-every", "5"))
+    started = wait_event(run_dir, "job_started")
+    wait_event(run_dir, "checkpoint_persisted")
+    for pid in started.evidence["pids"].values():
+        os.kill(int(pid), signal.SIGTERM)
+    wait_event(run_dir, "worker_failed")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait() == 128 + signal.SIGTERM, job.output()
+    assert [e.evidence["signal"] for e in events(run_dir, "job_preempted")] == ["SIGTERM"]
+    assert not [e for e in events(run_dir, "policy_decision") if e.evidence["action"] == "stop_job"]

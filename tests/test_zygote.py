@@ -65,6 +65,32 @@ def test_zygote_forks_workers_that_run_and_report_their_exit(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_zygote_outlives_a_schedulers_sigterm_and_its_children_do_not_ignore_it(tmp_path):
+    """Slurm sends SIGTERM to every process of a step, in no order. A zygote dying of it first
+    SIGKILLed every worker forked from it (their death signal) before the agent got its own
+    SIGTERM: a preempted job was recorded as a failed one. The zygote ignores it; a forked worker
+    gets a fresh process's handlers (SIGTERM ends it, SIGINT raises KeyboardInterrupt)."""
+    z = Zygote(sys.executable, dict(os.environ))
+    try:
+        assert z.wait_ready(), z.error
+        code = (
+            "import signal, sys\n"
+            "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
+            " flush=True)\n"
+            "sys.stdin.read()\n"  # wait to be signalled
+        )
+        child = z.fork()
+        os.kill(z.proc.pid, signal.SIGTERM)
+        _assign(child, _spec(tmp_path, code))
+        assert child.stdout.readline().decode().split() == ["True", "True"]
+        assert z.proc.poll() is None, "the zygote died of SIGTERM"
+        os.kill(child.pid, signal.SIGTERM)
+        assert child.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        z.close()
+
+
+@pytest.mark.slow
 def test_closing_the_zygote_takes_its_idle_children_down():
     z = Zygote(sys.executable, dict(os.environ))
     try:

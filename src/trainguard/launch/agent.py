@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from trainguard.policy import Action, Decision, PolicySettings
 from trainguard.stores import JobKey, bound_store, can_connect
 
 log = logging.getLogger(__name__)
+STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the agent's own signal
 
 WORKER_STORE_KEY = "trainguard/worker_store"
 LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
@@ -439,6 +441,8 @@ class TrainguardAgent(LocalElasticAgent):
         fs = failures.order(failures.collect(result, self.procs), failures.early_exits(result, self.procs))
         failures.report(self.bus, fs, self.attempt)
         self.final_failures = fs.failures
+        if failures.stopped_by_signal(fs.failures):
+            self._await_own_stop_signal()
         if self._follow_peers(wg, force=True) is not None:
             return result
         found = self.monitors.on_workers_failed(self.ctx, fs.failures) if self.ctx is not None else None
@@ -459,6 +463,16 @@ class TrainguardAgent(LocalElasticAgent):
             decision = policy.decide_without_policy(exc)
         self.carry_out(decision)
         return result
+
+    def _await_own_stop_signal(self) -> None:
+        """The workers died of SIGTERM (or another stop signal): a scheduler stopping the job
+        signals every process of it in no order, and this agent's copy may come a moment after
+        the workers'. Wait for it (the handler raises SignalException here, and the job is recorded
+        as preempted, its snapshots persisted) before treating the deaths as a failure."""
+        deadline = time.monotonic() + STOP_SIGNAL_GRACE_S
+        while time.monotonic() < deadline:
+            stopsignal.raise_pending()
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.monitors.notify("close")

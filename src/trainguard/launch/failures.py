@@ -80,6 +80,17 @@ def early_exits(result: RunResult, procs: TrainguardPContext | None) -> dict[int
     return out
 
 
+# What a scheduler sends every process of a job at once when it stops it (Slurm: SIGTERM to each
+# process of the step, in no order), or a person to a process group: not SIGKILL.
+STOP_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1"})
+
+
+def stopped_by_signal(failures: dict[int, RankFailure]) -> bool:
+    """Every failure is a death by a stop signal: the agent's own copy may still be on its way, and
+    then the job is being stopped (preempted, cancelled), not failing."""
+    return bool(failures) and all(f.signal in STOP_SIGNALS for f in failures.values())
+
+
 def warm() -> None:
     """Load the diagnosis rules and compile their scanner now (tens of ms), so that the first
     failure of the job is not the one to pay for it on its way to the restart."""

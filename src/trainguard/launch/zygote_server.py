@@ -159,6 +159,7 @@ class _Server:
         for pidfd in self.children.values():
             os.close(pidfd)
         os.setsid()  # its own session and process group: the agent signals the group
+        _restore_stop_signals()  # a worker takes SIGTERM like any fresh process
         from trainguard.launch.worker_main import die_with_parent
 
         die_with_parent()
@@ -214,9 +215,29 @@ def _fresh_random_state() -> None:
             pass
 
 
+# Stop signals a scheduler sends to every process of a job step (Slurm: SIGTERM to each, in no
+# order). The zygote ignores them: its life is the agent's (it ends when the agent hangs up, and
+# dies with it through PR_SET_PDEATHSIG). Had it died first, every worker forked from it would be
+# SIGKILLed by its death signal before the agent saw its own SIGTERM, and a preempted job would be
+# recorded as a failure. Forked children get the handlers back (a fresh process's).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+_saved_handlers: dict[int, object] = {}
+
+
+def _ignore_stop_signals() -> None:
+    for sig in _STOP_SIGNALS:
+        _saved_handlers[sig] = signal.signal(sig, signal.SIG_IGN)
+
+
+def _restore_stop_signals() -> None:
+    for sig, handler in _saved_handlers.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
 def serve(fd: int, preimport: Callable[[], None]) -> None:
     """Run the zygote on socket ``fd``. Returns only in a forked child (then stdin carries its
     assignment, as for a pre-started worker); the zygote itself exits here."""
+    _ignore_stop_signals()
     sock = socket.socket(fileno=fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
