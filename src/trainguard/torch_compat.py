@@ -109,7 +109,7 @@ def rendezvous_base_store(handler: Any, round_store: Any) -> Any:
     written in Python (torch's ``EtcdStore``) it returns a bare ``Store`` whose every call fails
     with "pure virtual function". Falls back to ``underlying_store``, then to the round's store."""
     base = getattr(handler, "_store", None)
-    if base is not None and hasattr(base, "compare_set"):
+    if base is not None:
         return base
     return getattr(round_store, "underlying_store", None) or round_store
 
