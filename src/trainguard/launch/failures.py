@@ -21,6 +21,7 @@ from trainguard.evidence import RankFailure
 from trainguard.exitcodes import signal_name
 from trainguard.launch.logs import tail
 from trainguard.launch.pcontext import TrainguardPContext
+from trainguard.schedulers import adapter as scheduler
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def early_exits(result: RunResult, procs: TrainguardPContext | None) -> dict[int
 
 # What a scheduler sends every process of a job at once when it stops it (Slurm: SIGTERM to each
 # process of the step, in no order), or a person to a process group: not SIGKILL.
-STOP_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1"})
+STOP_SIGNALS = frozenset(sig.name for sig in scheduler.STOP_SIGNALS)
 
 
 def stopped_by_signal(failures: dict[int, RankFailure]) -> bool:

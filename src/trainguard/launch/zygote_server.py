@@ -220,12 +220,13 @@ def _fresh_random_state() -> None:
 # dies with it through PR_SET_PDEATHSIG). Had it died first, every worker forked from it would be
 # SIGKILLed by its death signal before the agent saw its own SIGTERM, and a preempted job would be
 # recorded as a failure. Forked children get the handlers back (a fresh process's).
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 _saved_handlers: dict[int, object] = {}
 
 
 def _ignore_stop_signals() -> None:
-    for sig in _STOP_SIGNALS:
+    from trainguard.schedulers.adapter import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
         _saved_handlers[sig] = signal.signal(sig, signal.SIG_IGN)
 
 
