@@ -174,3 +174,21 @@ def test_chaos_net_loss_and_net_slow_revert_cleanly(jobs, tmp_path):
         assert bad.returncode == 2 and "at most 100" in bad.stderr and bad.stderr.count("\n") == 1
         assert shown() == clean
         job.kill()
+
+
+def test_holder_stopped_while_it_starts_still_reverts(tmp_path):
+    """A holder SIGTERMed at once, before its interpreter has imported anything, still runs its
+    revert and records chaos_reverted: the signal waits, blocked, until its handler is in place
+    (the default action would kill it and leave the fault in place)."""
+    from trainguard.chaos import background
+
+    marker = tmp_path / "reverted"
+    spec = {"fault": "net-cut", "duration": 600, "run_dir": str(tmp_path / "run"), "node": "n1", "id": "t1",
+            "revert": [[sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]]}  # fmt: skip
+    pid = background.start(spec, tmp_path / "holder.log")
+    proc = psutil.Process(pid)
+    proc.terminate()  # before it could have installed a handler: it is still starting
+    assert proc.wait(timeout=120) == 0, (tmp_path / "holder.log").read_text()
+    assert marker.exists()
+    [ev] = events(tmp_path / "run", "chaos_reverted")
+    assert ev.evidence["fault"] == "net-cut"

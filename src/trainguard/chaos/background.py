@@ -24,13 +24,21 @@ FILL_CHUNK = 16 << 20
 
 
 def start(spec: dict[str, Any], log_path: Path) -> int:
-    """Start the detached holder; its pid."""
+    """Start the detached holder; its pid.
+
+    The holder starts with SIGTERM blocked (a signal mask survives fork and exec) and unblocks it
+    only once its handler is in place: a SIGTERM sent while its interpreter still imports stays
+    pending instead of killing it by default, which would leave the fault in place unreverted."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.chaos.background", json.dumps(spec)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    was = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainguard.chaos.background", json.dumps(spec)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, was)
     return proc.pid
 
 
@@ -88,6 +96,8 @@ def main(spec: dict[str, Any]) -> None:
     fault, detail = spec["fault"], ""
     try:
         with contextlib.suppress(_Stop):
+            # `start` handed SIGTERM down blocked: one sent meanwhile is delivered here, where it reverts.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             if fault == "slow":
                 cpu_load(spec.get("cpu"), float(spec["percent"]), until)
             elif fault == "hang":  # the agent holds the rank while the request is there
