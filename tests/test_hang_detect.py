@@ -141,6 +141,22 @@ def test_hang_seed_rule_any_io_change_keeps_the_job_alive() -> None:
     assert det.last_io_change == 200.0
 
 
+def test_hang_seed_rule_steps_finishing_are_progress_without_io() -> None:
+    """A healthy job whose traffic bypasses the kernel (NCCL over NVLink) and that logs nothing:
+    no I/O and flat utilisation for the whole window, but steps keep finishing, so no hang; once
+    they stop, the seed rule fires when the stall too has lasted the window."""
+    det = HangDetector(CFG, start=0.0)
+    busy = lambda t, r: t  # noqa: E731  (100 % CPU, flat)
+    feed(det, 0.0, 200.0, cpu_at=busy)
+    steps = {r: [S(r, i + 1, 1.0 + i * 0.5) for i in range(399)] for r in (0, 1)}  # last at 200.0
+    assert not det.assess(200.0, steps).hang
+    feed(det, 201.0, 259.0, cpu_at=busy)
+    assert not det.assess(259.0, steps).hang  # steps stopped 59 s ago: within the window
+    feed(det, 260.0, 261.0, cpu_at=busy)
+    a = det.assess(261.0, steps)
+    assert a.hang and a.rule == "io+utilisation" and a.stall == pytest.approx(61.0)
+
+
 def test_hang_seed_rule_changing_utilisation_is_not_a_hang() -> None:
     det = HangDetector(CFG, start=0.0)
     wobble = lambda t, r: sum(0.9 if int(x) % 2 else 0.1 for x in range(int(t)))  # noqa: E731

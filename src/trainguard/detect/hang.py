@@ -295,8 +295,11 @@ class HangDetector:
         }
         if stats.last_end > -math.inf:
             signals["stall_s"] = round(stall, 2)
-        # Seed rule: quiet I/O for detect_time, then flat utilisation.
-        if io_quiet >= cfg.detect_time:
+        # Seed rule: quiet I/O for detect_time, then flat utilisation. A step finished within the
+        # window is progress the I/O counters cannot see (NCCL over NVLink or InfiniBand bypasses
+        # the kernel; ranks that log nothing write nothing), so steps veto it.
+        steps_moved = stats.last_end > -math.inf and stall < cfg.detect_time
+        if io_quiet >= cfg.detect_time and not steps_moved:
             util = self.utilisation(now - min(cfg.detect_time, cfg.util_window))
             signals["utilisation"] = util.to_dict()
             if util.unchanged:

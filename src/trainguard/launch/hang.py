@@ -243,7 +243,11 @@ class _Watch:
         )
         steps = {r: self.ctx.steps.recent(r) for r in pids}
         a = self.detector.assess(now, steps)
-        if a.hang and now >= self.hold_until:
+        # Where this attempt has steps, their stall is judged below (its detect-time window carries
+        # each rank's progress); the seed's I/O rule speaks for jobs without steps. Both windows
+        # end together (steps veto the I/O rule), so one rule, not a race, names the verdict.
+        no_steps = a.steps is None or a.steps.last_end == -math.inf
+        if a.hang and no_steps and now >= self.hold_until:
             self.stalled = True
             return self._seed_rule(now, a, pids)
         stats = a.steps
