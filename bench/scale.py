@@ -11,8 +11,9 @@ process, all agents one after another, so per-agent times are what one agent pay
 The leader design (today: node 0 merges, judges and publishes verdicts) is compared with the
 all-to-all design it replaced (every agent merged every node's windows), which is measured for
 a sample of agents and multiplied by the number of agents (column "x agents").
-The hang side on the same scale: the culprit finder over every rank's stack view, and the bytes
-each agent reads when every agent gathers every node's views (once per suspected hang).
+The hang side on the same scale: one suspected hang through the real exchange (every node
+publishes its views and counts who still progresses; one node reads every view and runs the
+culprit finder), against the design it replaced, where every node read every view.
 
     python bench/scale.py                  # 64, 512, 2048, 10000 ranks
     python bench/scale.py --ranks 64,1000 --rounds 4
@@ -38,7 +39,7 @@ from trainguard.detect import straggler as S  # noqa: E402
 from trainguard.detect.culprit import find_culprit  # noqa: E402
 from trainguard.events import EventBus  # noqa: E402
 from trainguard.launch import straggler as SM  # noqa: E402
-from trainguard.launch.hang_exchange import view_from_dict, view_to_dict  # noqa: E402
+from trainguard.launch.hang_exchange import HangExchange, NodeViews, view_from_dict, view_to_dict  # noqa: E402
 from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo  # noqa: E402
 
 RANKS_PER_NODE = 8
@@ -73,6 +74,11 @@ class CountingStore:
         self.ops += 1
         self.bytes += sum(map(len, keys))
         return self.store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self.ops += 1
+        self.bytes += len(key) + 8
+        return self.store.add(key, amount)
 
 
 def window_of(node: int, window: int, slow_rank: int, steps: int) -> list[S.RankWindow]:
@@ -162,7 +168,11 @@ def all_to_all(client, ranks: int, sample: int) -> dict:
     return {"agent_s": statistics.median(times), "ops": (ops + 1) * nodes, "bytes": nbytes * nodes}
 
 
-def hang_side(ranks: int) -> dict:
+def hang_side(client, ranks: int) -> dict:
+    """One suspected multi-node hang through the real exchange (launch.hang_exchange) on the
+    counted store: every node publishes its ranks' views and asks whether a rank elsewhere still
+    progresses (two counters); the one node that judges for the job reads every view and names
+    the culprit. The design it replaced had every node read every view (bytes computed)."""
     nodes = ranks // RANKS_PER_NODE
     frames = [["allreduce", "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py", 2800],
               ["forward", "/job/model.py", 120], ["train_step", "/job/train.py", 88], ["main", "/job/train.py", 140]]  # fmt: skip
@@ -171,11 +181,21 @@ def hang_side(ranks: int) -> dict:
     culprit = ranks // 3
     views = {r: view_from_dict(r, d) for r in range(ranks)}
     views[culprit] = view_from_dict(culprit, {**d, "state": "R", "frames": stuck, "busy": True, "last_step": 999})
+    store = CountingStore(client)
+    exchanges = [HangExchange(store, f"hang{ranks}/", n, nodes) for n in range(nodes)]
     t0 = time.perf_counter()
-    verdict = find_culprit(views, nnodes=nodes)
-    took = time.perf_counter() - t0
+    for n, ex in enumerate(exchanges):
+        mine = {r: views[r] for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)}
+        ex.publish(NodeViews(f"node{n}", n, mine, {r: "idle" for r in mine}))
+    moving = [ex.others_moving(0.0)[0] for ex in exchanges]
+    gathered = exchanges[0].gather(0.0, declared=False)
+    seen = {**{r: v for nv in gathered.values() for r, v in nv.views.items()}, **{r: views[r] for r in range(RANKS_PER_NODE)}}
+    t1 = time.perf_counter()
+    verdict = find_culprit(seen, nnodes=nodes)
+    took = time.perf_counter() - t1
     size = len(json.dumps({str(r): view_to_dict(v) for r, v in views.items()}))
-    return {"culprit_s": took, "ok": verdict.rank == culprit, "views_bytes_all_agents": size * nodes}
+    return {"culprit_s": took, "exchange_s": t1 - t0, "ok": verdict.rank == culprit and not any(moving),
+            "ops": store.ops, "bytes": store.bytes, "views_bytes_all_agents": size * nodes}  # fmt: skip
 
 
 def main() -> None:
@@ -191,26 +211,31 @@ def main() -> None:
     rows = []
     for r in (int(x) for x in args.ranks.split(",")):
         r = max(RANKS_PER_NODE, r // RANKS_PER_NODE * RANKS_PER_NODE)
-        rows.append((r, leader_design(client, r, args.rounds), all_to_all(client, r, args.sample), hang_side(r)))
+        rows.append((r, leader_design(client, r, args.rounds), all_to_all(client, r, args.sample), hang_side(client, r)))
     mb = 1e6
     print(f"one round = one straggler window; {RANKS_PER_NODE} ranks per simulated agent; one TCPStore; one core")
     print(f"{'ranks':>6} {'agents':>6} | {'leader: ops':>11} {'MB':>6} {'leader s':>8} {'cpu s':>6} {'agent s':>8} {'named':>6} | "
-          f"{'all-to-all: ops':>15} {'MB':>8} {'agent s':>8} {'x agents':>9} | {'culprit s':>9} {'views MB':>9}")  # fmt: skip
+          f"{'all-to-all: ops':>15} {'MB':>8} {'agent s':>8} {'x agents':>9} | {'hang: ops':>9} {'MB':>6} {'culprit s':>9} "
+          f"{'every-node views MB':>19}")  # fmt: skip
     for r, lead, a2a, hang in rows:
         named = "ok" if lead["found"] == [lead["slow"]] else f"got {lead['found']}"
         print(
             f"{r:>6} {r // RANKS_PER_NODE:>6} | {lead['ops']:>11,} {lead['bytes'] / mb:>6.2f} {lead['leader_s']:>8.3f} {lead['leader_cpu']:>6.3f} "
             f"{lead['follower_s']:>8.4f} {named:>6} | {a2a['ops']:>15,} {a2a['bytes'] / mb:>8.1f} {a2a['agent_s']:>8.3f} "
-            f"{a2a['agent_s'] * r / RANKS_PER_NODE:>9.1f} | {hang['culprit_s']:>9.3f} {hang['views_bytes_all_agents'] / mb:>9.1f}"
+            f"{a2a['agent_s'] * r / RANKS_PER_NODE:>9.1f} | {hang['ops']:>9,} {hang['bytes'] / mb:>6.2f} {hang['culprit_s']:>9.3f} "
+            f"{hang['views_bytes_all_agents'] / mb:>19.1f}"
             + ("" if hang["ok"] else " culprit MISSED")
         )  # fmt: skip
-    (r0, l0, a0, _), (r1, l1, a1, _) = rows[0], rows[-1]
+    (r0, l0, a0, h0), (r1, l1, a1, h1) = rows[0], rows[-1]
     print(f"\nranks x{r1 / r0:.0f}: leader-design store bytes x{l1['bytes'] / l0['bytes']:.0f}, ops x{l1['ops'] / l0['ops']:.0f}; "
-          f"all-to-all bytes x{a1['bytes'] / a0['bytes']:.0f}; leader's time per round x{l1['leader_s'] / l0['leader_s']:.0f}")  # fmt: skip
+          f"all-to-all bytes x{a1['bytes'] / a0['bytes']:.0f}; leader's time per round x{l1['leader_s'] / l0['leader_s']:.0f}; "
+          f"hang exchange bytes x{h1['bytes'] / h0['bytes']:.0f}, ops x{h1['ops'] / h0['ops']:.0f} "
+          f"(every node reading every view: bytes x{h1['views_bytes_all_agents'] / h0['views_bytes_all_agents']:.0f})")  # fmt: skip
     print("leader s: the leader agent's poll (merge + detect + publish), wall; cpu s: its thread's CPU time;")
     print("agent s: one other agent's polls (wall);")
     print("x agents: one all-to-all agent's time x agents = the store's and CPUs' work per round in that design;")
-    print("views MB: hang views read when every agent gathers every node's views (once per suspected hang).")
+    print("hang: one suspected hang through the real exchange (every node publishes, counts who still progresses;")
+    print("      one node reads every view and names the culprit); every-node views MB: the design it replaced.")
     del client, server
 
 

@@ -43,6 +43,23 @@ def test_hang_busy_loop_through_trainguard_run(jobs, tmp_path: Path) -> None:
     assert kinds[-1] == "job_succeeded", kinds
 
 
+def test_hang_multi_node_long_evaluation_on_one_node_is_not_a_hang(jobs, tmp_path: Path) -> None:
+    """Healthy: rank 1 (node1) evaluates alone for 20 s while rank 0 (node0) waits for it in
+    all_reduce. Node0 sees only a waiting rank and no culprit of its own; the other node's rank
+    still progresses, which holds node0's verdict: no hang_detected, no restart."""
+    run = tmp_path / "run"
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "evalnode", "--max-restarts", "1",
+              "--run-dir", run, "--hang-period", "0.5", "--hang-step-slack", "3"]  # fmt: skip
+    script = [SCRIPTS / "hang_worker.py", "--steps", "30", "--eval-at", "10", "--eval-rank", "1", "--eval-seconds", "20"]
+    agents = [jobs("run", *common, "--node-name", f"node{i}", *script, name=f"node{i}") for i in (0, 1)]
+    for a in agents:
+        assert a.wait() == 0, a.output()
+    assert not events(run, "hang_detected"), [e.message for e in events(run, "hang_detected")]
+    assert not events(run, "restart")
+    assert len(events(run, "job_succeeded")) == 2
+
+
 @pytest.mark.parametrize(
     ("fault", "culprit"),
     [("sleep", 1), ("stop", 0)],  # the culprit on the other node; the leader's (node rank 0's) worker SIGSTOPped

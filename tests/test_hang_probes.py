@@ -202,6 +202,42 @@ def test_hang_views_shared_across_nodes_name_a_remote_culprit() -> None:
         del store
 
 
+def test_hang_other_nodes_progress_is_counted_not_gathered() -> None:
+    """Whether a rank elsewhere still progresses comes from two counters in the store (linear in
+    nodes for the job), kept current as each node publishes: its own ranks never count, the wait
+    for nodes that have not shared a view yet is bounded, and a node that stops progressing
+    stops counting."""
+    from torch.distributed import TCPStore
+
+    from trainguard.detect.culprit import RankView
+    from trainguard.launch.hang_exchange import HangExchange, NodeViews
+    from trainguard.probes.stacks import Frame
+
+    view = {0: RankView(0, "S", (Frame("main", "/job/train.py", 96),))}
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        ex = [HangExchange(store.clone(), "a1/", n, 3) for n in range(3)]
+
+        def publish(n: int, progress: dict[int, str]) -> None:
+            ex[n].publish(NodeViews(f"n{n}", n, view, progress))
+
+        publish(0, {0: "progressing"})
+        assert ex[0].others_moving(0.3) == (0, None)  # its own rank; node 2 never shared (bounded wait)
+        assert ex[1].others_moving(0.3) == (1, 0)
+        publish(1, {2: "idle", 3: "busy"})
+        publish(1, {2: "idle", 3: "busy"})  # the same state again counts once
+        publish(2, {4: "idle"})
+        assert ex[2].others_moving(10.0) == (2, 3)
+        publish(0, {0: "idle", 1: "idle"})
+        assert ex[2].others_moving(0.0) == (1, 3)
+        assert ex[1].others_moving(0.0) == (0, None)  # node 1's own rank moves: not another node's
+        publish(1, {2: "idle", 3: "idle"})
+        assert [e.others_moving(0.0)[0] for e in ex] == [0, 0, 0]
+        assert HangExchange(store, "a2/", 0, 3).others_moving(0.0) == (0, None)  # another attempt's counters
+    finally:
+        del store
+
+
 def test_hang_one_verdict_for_the_job_first_writer_wins() -> None:
     """Three nodes' exchanges on one real store: one claims the incident, its verdict is the one
     that stands (a late judgement of another node loses), every node reads it, and a suspicion is recorded once per incident."""

@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-pause", type=float, default=30.0)
     p.add_argument("--eval-at", type=int, default=-1)
     p.add_argument("--eval-seconds", type=float, default=8.0)
+    p.add_argument("--eval-rank", type=int, default=-1, help="the one rank that evaluates (-1: every rank)")
     return p.parse_args()
 
 
@@ -138,7 +139,7 @@ def main() -> int:
         if step == args.ckpt_at:
             save_checkpoint(w.detach(), args.ckpt_pause, rank)
         if step == args.eval_at:
-            evaluate(w.detach(), args.eval_seconds)
+            evaluate(w.detach(), args.eval_seconds if args.eval_rank in (-1, rank) else 0.0)
     dist.barrier()
     dist.destroy_process_group()
     # Leave without interpreter teardown: under heavy load torch's gloo teardown at exit has

@@ -38,8 +38,6 @@ from trainguard.detect.hang import (
     phase_allowance,
 )
 from trainguard.detect.progress import (
-    BUSY,
-    PROGRESSING,
     Limits,
     Progress,
     RankSamples,
@@ -437,13 +435,18 @@ class _Watch:
         """A local "no progress" verdict is only final when no rank on another node progresses:
         the ranks here may all wait for a long evaluation over there. (The other nodes judge the
         same stall from their own samples and stacks: give their views time to arrive.)"""
-        self._others(max(5.0, 3 * self.cfg.period), declared=False)
+        assert self.exchange is not None
+        try:
+            moving, rank = self.exchange.others_moving(max(5.0, 3 * self.cfg.period))
+        except Exception as exc:  # the store going away must not stop the watch
+            log.warning("hang: could not read the other nodes' progress: %s", exc)
+            moving, rank = 0, None
         local = verdict.positions
-        moving = [r for r, k in self.remote_progress.items() if k in (PROGRESSING, BUSY) and r not in local]
         culprit_dead = sv.culprit in local and not local[sv.culprit].waiting
         if moving and not culprit_dead:
-            r = moving[0]
-            return StallVerdict("watch", r, "", f"rank {r} on another node progresses")
+            rank = rank if rank not in local else None
+            who = f"rank {rank}" if rank is not None else "a rank"
+            return StallVerdict("watch", rank, "", f"{who} on another node progresses")
         return sv
 
     def _claim_suspicion(self, a: Assessment) -> bool:
