@@ -218,26 +218,34 @@ class Zygote:
                 self._cond.wait(min(left, 0.5))
             return self._replies.pop(req)
 
-    def close(self) -> None:
-        """Hang up: the zygote kills its remaining children and exits."""
+    def close(self, unused: bool = False) -> None:
+        """Hang up: the zygote kills its remaining children and exits. ``unused``: it never forked
+        a worker, so nothing of it needs a clean end: killed at once rather than waited for (it
+        reads the hang-up only once it has imported torch, seconds away on a refused launch)."""
         self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if unused:
+            _killpg(self.proc.pid)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _killpg(self.proc.pid)
             self.proc.wait(timeout=10)
         self._reader.join(timeout=15)
         self._sock.close()
         for t in self._pumps:
             t.join(timeout=2)
         self.output.close()
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # ---- started before the agent's own imports ----------------------------------------------------
@@ -281,7 +289,7 @@ def close_early() -> None:
     global _early
     zygote, _early = _early, None
     if zygote is not None:
-        zygote.close()
+        zygote.close(unused=True)
 
 
 def take_early(python: str) -> Zygote | None:
@@ -289,6 +297,6 @@ def take_early(python: str) -> Zygote | None:
     global _early
     zygote, _early = _early, None
     if zygote is not None and zygote.python != python:
-        zygote.close()
+        zygote.close(unused=True)
         return None
     return zygote
