@@ -167,6 +167,9 @@ class Checkpointer:
         self._completer: queue.Queue[_Pending | None] | None = None
         self._failing = False
         self._overlap_off = False
+        # Seconds the training thread spent finishing overlapped copies (copying what the helper
+        # had not taken, waiting for the piece it was on): the overlap's stall beside save()'s own.
+        self.finish_wait_s = 0.0
         self._helper_tid: int | None = None
         self._helper_idle = False
         self._priority_lock = threading.Lock()
@@ -406,11 +409,13 @@ class Checkpointer:
         torch's parallel copy), then wait for the piece the helper is on and the publish."""
         if p.done.is_set():
             return
+        start = time.perf_counter()
         p.waited = True
         self._helper_priority(idle=False)
         while (item := p.take()) is not None:
             _copy_item(p, item, fast=True)
         p.done.wait()
+        self.finish_wait_s += time.perf_counter() - start
 
     def _helper_priority(self, idle: bool) -> None:
         """The copy helper runs at idle priority while nobody waits for it, and at normal priority
