@@ -126,21 +126,21 @@ def job_processes(run: Path) -> list[psutil.Process]:
     return mine
 
 
-def rescue_like_the_next_agent(dead_agent: int, ckpt: Path) -> int:
-    """The shared memory a SIGKILLed agent left (its newest snapshots) is taken by the next agent
-    that starts on the node: persisted to the dead one's checkpoint dir, then removed. Do that for
-    its directories only (moved aside first, so no other job's are touched); raises when one is
-    still held (its owner alive) or its snapshots were not persisted."""
+def rescue_like_the_next_agent(dead_agent: int, ckpt: Path, shm_root: Path) -> int:
+    """The shared memory a SIGKILLed agent left (its newest snapshots) in its node's ``shm_root``
+    is taken by the next agent that starts on the node: persisted to the dead one's checkpoint
+    dir, then removed. Do that for its directories only (moved aside first, so no other job's are
+    touched); raises when one is still held (its owner alive) or its snapshots were not persisted."""
     from trainguard.checkpoint.persist import rescue_orphan
     from trainguard.checkpoint.shm import DIR_PREFIX, remove_stale_dirs
 
-    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"{DIR_PREFIX}{dead_agent}-")]
+    mine = [n for n in os.listdir(shm_root) if n.startswith(f"{DIR_PREFIX}{dead_agent}-")]
     if not mine:
         return 0
     aside = Path(tempfile.mkdtemp(prefix="tgfaults-rescue-", dir="/dev/shm"))
     try:
         for name in mine:
-            os.rename(f"/dev/shm/{name}", aside / name)
+            os.rename(shm_root / name, aside / name)
         rescued: list = []
         taken = remove_stale_dirs(aside, lambda d: rescued.extend(rescue_orphan(d, lambda *a, **k: None, default_ckpt_dir=ckpt)))
         if len(taken) != len(mine):
@@ -202,6 +202,10 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         chaos_args = [*chaos_args, "--rate-kbit", f"{args.rate_kbit:g}"]
     agents: list[subprocess.Popen] = []
     etcd = None
+    # Each node's own tmpfs for snapshots, as real nodes have: the namespaces share this host's
+    # /dev/shm, where an agent of another case (--jobs) would take a killed agent's snapshots as
+    # "the next agent on the node" and leave this case's own check nothing to find.
+    shm_roots = {i: Path(tempfile.mkdtemp(prefix=f"tgfaults-{fault}-n{i}-", dir="/dev/shm")) for i in (1, 2, 3)}
     bed = testbed.Testbed(3, extra=1 if backend == "etcd-v2" else 0)
     try:
         endpoint = f"{bed.nodes[0].addr}:29400"
@@ -215,6 +219,7 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
                 "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", fault,
                 "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
                 "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
+                "--ckpt-shm-dir", str(shm_roots[node.index]),
                 str(EXAMPLE), "--steps", str(args.steps), "--step-time-ms", "50", "--ckpt", "trainguard", "--ckpt-every", "1",
             ]  # fmt: skip
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname}
@@ -281,9 +286,10 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         # counted, removed below. Every other node's must be gone.
         gone = {agents[victim - 1].pid} if victim and fault in KILLS else set()
         if fault == "agent-kill":  # the node lives on: what its next agent does first (issue 18.12)
-            rescued = rescue_like_the_next_agent(agents[victim - 1].pid, ckpt)
+            rescued = rescue_like_the_next_agent(agents[victim - 1].pid, ckpt, shm_roots[victim])
             row.note = f"next agent on n{victim} rescued {rescued} snapshot dir(s) the killed one held"
         shm_left = [n for n in os.listdir("/dev/shm") if any(str(a.pid) in n for a in agents if a.pid not in gone)]
+        shm_left += [n for i, root in shm_roots.items() if not (i == victim and fault in KILLS) for n in os.listdir(root)]
         row.survived = bool(finished) and not left and not shm_left and (row.lost or 0) <= 1 and not (slow and evs)
         if not finished:
             row.note = row.note or f"exit codes {codes}"
@@ -305,6 +311,8 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         for name in os.listdir("/dev/shm"):
             if any(f"-{a.pid}-" in name or name.endswith(f"-{a.pid}") for a in agents):
                 subprocess.run(["rm", "-rf", f"/dev/shm/{name}"], check=False)
+        for root in shm_roots.values():
+            shutil.rmtree(root, ignore_errors=True)
         if etcd is not None:
             etcd.close()
         bed.close()

@@ -153,6 +153,7 @@ def test_sigterm_to_launcher_leaves_nothing_behind(jobs, tmp_path):
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before
             if not ((m := foreign.match(n)) and int(m.group(1)) not in mine)}  # fmt: skip
     assert left == set()
+    assert os.listdir(jobs.shm_root) == []  # its snapshot dir too
     final = events(run, "job_failed")
     assert final and "SIGTERM" in final[-1].message
 

@@ -157,6 +157,8 @@ def test_back_to_back_kills_recover_from_forked_workers_and_agent_kill_leaves_no
     os.kill(job.proc.pid, signal.SIGKILL)  # the agent dies without cleaning up: nothing may outlive it
     job.proc.wait(timeout=60)
     wait_for(lambda: not alive(procs), 60, "zygote, spares and workers gone with the agent")
+    # but its snapshots do, for the next agent on the node to persist (in the test's own tmpfs dir)
+    assert [n for n in os.listdir(jobs.shm_root) if n.startswith(f"trainguard-ckpt-{job.proc.pid}-")]
 
 
 

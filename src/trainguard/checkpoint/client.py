@@ -70,7 +70,7 @@ ENV_OVERLAP = "TRAINGUARD_CKPT_OVERLAP"
 # idle cycles to hide a copy in, and a concurrent copy slows the steps more than a short memmove in
 # the call (bench/checkpoint.py measures both). CUDA tensors are always copied asynchronously.
 OVERLAP_DEFAULT = False
-ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # local mode (no agent): where its private slot dir goes
+ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # the tmpfs for snapshot dirs (the agent's default; local mode's too)
 MAX_CANDIDATES = 64
 NSLOTS = 2
 _WORLD_BITS = 20  # candidate keys: step << 20 | world size

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint import disk
-from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR
+from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR, ENV_SHM_ROOT
 from trainguard.checkpoint.persist import Persister, rescue_orphan
 from trainguard.checkpoint.shm import make_shm_dir, read_dir_info, release_shm_dir
 from trainguard.events import EventBus, EventStore
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 class CheckpointSettings:
     ckpt_dir: str | Path | None = None  # None: RUN_DIR/checkpoints
     keep: int = 3  # newest checkpoints kept per rank
-    shm_root: str | Path = "/dev/shm"  # tmpfs where in-memory snapshots live
+    # tmpfs where in-memory snapshots live: TRAINGUARD_CKPT_SHM_ROOT (as for a job without an agent), else /dev/shm
+    shm_root: str | Path = field(default_factory=lambda: os.environ.get(ENV_SHM_ROOT) or "/dev/shm")
     write_limit_mb_s: float = 0.0  # background persist rate cap (0: none)
     breakpoint_timeout_s: float = 600.0  # longest persist at a failure before the restart goes on
     overlap: bool = False  # copy CPU tensors during the next forward/backward
