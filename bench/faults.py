@@ -266,8 +266,10 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         if slow and not evs:
             row.verdict = _slow_verdict(run, t0)
         elif evs:
+            # The root cause, whichever node wrote first: a lost node, else a failure that is not
+            # only the cascade of another node's (worker_lost_peer), else the first event.
             named = next((e for e in evs if e.kind == "node_lost"), None) or next(
-                (e for e in evs if e.kind != "policy_decision"), evs[0])
+                (e for e in evs if e.kind not in ("policy_decision", "worker_lost_peer")), evs[0])
             row.verdict = f"{named.kind}: {named.message}"[:100]
             row.detect_s = round(evs[0].time - t0, 1)
         all_steps = steps(run)

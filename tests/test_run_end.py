@@ -73,3 +73,27 @@ def test_workers_sigtermed_before_their_agent_are_a_preemption_not_a_failure(tmp
     assert job.wait() == 128 + signal.SIGTERM, job.output()
     assert [e.evidence["signal"] for e in events(run_dir, "job_preempted")] == ["SIGTERM"]
     assert not [e for e in events(run_dir, "policy_decision") if e.evidence["action"] == "stop_job"]
+
+
+def test_workers_sigtermed_while_slurm_ends_the_job_are_a_preemption_without_the_agents_signal(tmp_path, jobs):
+    """Slurm stopping a step does not always signal every process: srun forcing the step's end
+    from another node signalled a node's workers and never its agent (CI run of 2026-11-24). After
+    its grace the agent asks Slurm (`scontrol show job`, here a stand-in saying COMPLETING) and
+    stops as signalled: preempted, not failed."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    scontrol = fake / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "JobId=77 JobName=train JobState=COMPLETING Reason=None"\n')
+    scontrol.chmod(0o755)
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1",
+           "PATH": f"{fake}:{os.environ['PATH']}"}  # fmt: skip
+    run_dir = tmp_path / "R"
+    job = jobs(*_run(run_dir, 0, "--steps", "100000", "--step-time-ms", "20", "--ckpt", "trainguard", "--ckpt-every", "5"),
+               env=env)  # fmt: skip
+    started = wait_event(run_dir, "job_started")
+    wait_event(run_dir, "checkpoint_persisted")
+    for pid in started.evidence["pids"].values():
+        os.kill(int(pid), signal.SIGTERM)  # the workers only: the agent gets no signal
+    assert job.wait() == 128 + signal.SIGTERM, job.output()
+    assert [e.evidence["signal"] for e in events(run_dir, "job_preempted")] == ["SIGTERM"]
+    assert not [e for e in events(run_dir, "policy_decision") if e.evidence["action"] == "stop_job"]

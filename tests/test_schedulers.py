@@ -250,3 +250,23 @@ def test_trainguard_run_writes_its_verdict_and_a_permanent_code_for_a_user_error
     assert job.wait() == EXIT_FAILED, job.output()
     line = term.read_text()
     assert line.startswith("trainguard: exit 1 (permanent): user code failed") and line.count("\n") == 1, line
+
+
+def test_job_state_reads_scontrol(monkeypatch):
+    """The agent asks Slurm whether its job is ending when its workers died of a stop signal it
+    never got itself: JobState from `scontrol show job -o`, None when Slurm cannot say."""
+    import subprocess
+
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: "/usr/bin/scontrol")
+    line = "JobId=7 JobName=train UserId=root(0) Priority=1 JobState=COMPLETING Reason=None Restarts=0"
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, line, "")
+
+    assert slurm.job_state("7", run) == "COMPLETING" and calls[0][1:] == ["show", "job", "-o", "7"]
+    gone = lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", "slurm_load_jobs error: Invalid job id")  # noqa: E731
+    assert slurm.job_state("7", gone) is None
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
+    assert slurm.job_state("7", run) is None

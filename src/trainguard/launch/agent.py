@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -473,7 +474,30 @@ class TrainguardAgent(LocalElasticAgent):
         while time.monotonic() < deadline:
             stopsignal.raise_pending()
             time.sleep(0.05)
+        if _scheduler_stops_the_job():
+            # Slurm stopping a step does not always reach every process (srun forcing the step's
+            # end on another node signalled the workers here, never their agent): the scheduler's
+            # own word is the signal, taken the way a delivered one is.
+            log.warning("the workers died of a stop signal and the scheduler is ending the job: stopping as signalled")
+            os.kill(os.getpid(), signal.SIGTERM)
+            end = time.monotonic() + STOP_SIGNAL_GRACE_S
+            while time.monotonic() < end:
+                stopsignal.raise_pending()
+                time.sleep(0.05)
 
     def close(self) -> None:
         self.monitors.notify("close")
         self._worker_store = None
+
+
+def _scheduler_stops_the_job() -> bool:
+    """Whether the scheduler running this agent is ending its job (Slurm: the job no longer
+    RUNNING: completing, requeued, cancelled, timed out). False outside a scheduler, or when it
+    cannot say."""
+    from trainguard.schedulers import slurm
+
+    job = slurm.detect(os.environ)
+    if job is None:
+        return False
+    state = slurm.job_state(job.job_id)
+    return state is not None and state != "RUNNING"
