@@ -320,3 +320,34 @@ def test_hang_claimer_gone_a_waiting_node_judges_and_one_verdict_stands(tmp_path
         assert [p.name for p in tmp_path.glob("hang-*.txt")] == [Path(found.report).name]  # node1's report removed
     finally:
         del store
+
+
+def test_hang_monitor_learns_the_first_step_of_an_attempt_no_round_saw(tmp_path: Path) -> None:
+    """An attempt of a few fast steps can end between two rounds of the watch; its first step must
+    still set the next attempt's first-step allowance, or a rank that then hangs before its first
+    step is judged only by the seed's 30 minutes (CI: test_hang_before_the_first_step_... missed)."""
+    import time
+
+    from trainguard.detect.hang import HangConfig
+    from trainguard.events import EventBus
+    from trainguard.events.store import EventStore
+    from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)  # reaped: its pid names no worker any more, as after a short attempt
+    store = EventStore(tmp_path)
+    steps = StepTracker()
+    ctx = MonitorContext(run_dir=tmp_path, node="n0", node_rank=0, nnodes=1, nproc_per_node=1, world_size=1,
+                         restart_count=0, workers=[WorkerInfo(0, 0, gone.pid)], events=EventBus(store, "n0"),
+                         steps=steps)  # fmt: skip
+    monitor = hang_monitor.HangMonitor(HangConfig(period=3600.0))  # one round, at the watch's start
+    try:
+        monitor.on_workers_started(ctx)
+        now = time.time()
+        for step in range(3):
+            steps.record(StepSample(0, step, now + 2.0 + 0.05 * step, 0.05))
+        monitor.on_workers_stopped(ctx)
+        assert monitor._learned.get(hang_monitor.FIRST_STEP, 0.0) >= 1.5
+    finally:
+        monitor.close()
+        store.close()

@@ -232,6 +232,7 @@ class _Watch:
         pids = self.ctx.pids()
         samples = proc.sample_workers(pids, now)
         if not any(s.alive and s.state not in ("Z", "X") for s in samples.values()):
+            self.learn_first_step()  # a short attempt may end before a round saw its steps
             return None  # all workers exited: the agent handles that
         self.history.add_procs(samples)
         self.detector.observe(
@@ -282,6 +283,11 @@ class _Watch:
         if verdict is None or (stall <= threshold and stall < self.cfg.detect_time):
             return None
         return self._judge(now, dataclasses.replace(a, stall=stall), verdict, pids, since, threshold)
+
+    def learn_first_step(self) -> None:
+        """Learn the first step from the steps recorded so far, unless a round already did."""
+        if not self.first_step_seen:
+            self._learn_first_step({r: self.ctx.steps.recent(r) for r in self.ctx.pids()})
 
     def _learn_first_step(self, steps: dict[int, list]) -> None:
         """The attempt's first step: how long it took from the workers' start (the first-step
@@ -755,6 +761,15 @@ class HangMonitor(Monitor):
             # Short: a py-spy call in flight ends on its own timeout, and a stopped watch never
             # hands over its evidence.
             t.join(timeout=2.0)
+        watch = self._watch
+        if watch is not None and (t is None or not t.is_alive()):
+            # An attempt that ended before any round saw a step (a few fast steps between two
+            # rounds) still teaches the next attempt its first-step allowance: without it a rank
+            # that hangs before its first step is judged only by the seed's 30 minutes.
+            try:
+                watch.learn_first_step()
+            except Exception:  # never let bookkeeping stop the agent
+                log.exception("hang: could not learn the first step")
 
     def on_workers_stopped(self, ctx: MonitorContext) -> None:
         self._stop_thread()
