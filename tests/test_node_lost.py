@@ -24,11 +24,8 @@ def test_sigkilled_node_is_named_and_the_others_go_on(jobs, tmp_path):
         agents[f"node{i}"] = jobs("run", *common, "--node-name", f"node{i}", *script, name=f"node{i}")
         if i == 0:  # node0 hosts the rendezvous store
             wait_for(lambda: port_open(port), what="node0 hosting the rendezvous store")
-    started = wait_for(
-        lambda: [e for e in events(run, "job_started") if e.evidence["group_world_size"] == 3] or None,
-        what="all three nodes in one round",
-    )
-    victim = next(e for e in started if e.node == "node2")
+    # Each agent records its own job_started: wait for node2's (the first one written may be another's).
+    victim = wait_event(run, "job_started", pred=lambda e: e.node == "node2" and e.evidence["group_world_size"] == 3)
     victim_rank = int(next(iter(victim.evidence["pids"])))
     wait_log(rank_log(run, victim.evidence["attempt"], victim_rank), "step=20 ")
     kill_tree(agents["node2"].proc.pid)  # SIGKILL: agent and workers at once, sockets closed by the kernel
