@@ -268,5 +268,10 @@ def test_job_state_reads_scontrol(monkeypatch):
     assert slurm.job_state("7", run) == "COMPLETING" and calls[0][1:] == ["show", "job", "-o", "7"]
     gone = lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", "slurm_load_jobs error: Invalid job id")  # noqa: E731
     assert slurm.job_state("7", gone) is None
+    # the batch script for the resubmit line comes from the same answer; an srun job has none
+    line += " Command=/home/u/train.sbatch WorkDir=/home/u"
+    assert slurm.batch_script("7", run) == "/home/u/train.sbatch"
+    line = line.replace("Command=/home/u/train.sbatch", "Command=(null)")
+    assert slurm.batch_script("7", run) is None and slurm.batch_script("7", gone) is None
     monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
     assert slurm.job_state("7", run) is None

@@ -176,9 +176,8 @@ def requeue(job_id: str, exclude: list[str], run: Runner = subprocess.run) -> Ou
     return Outcome(True, f"requeued job {job_id} excluding {','.join(exclude)}")
 
 
-def job_state(job_id: str, run: Runner = subprocess.run) -> str | None:
-    """The job's ``JobState`` (RUNNING, COMPLETING, PENDING after a requeue, ...) from ``scontrol
-    show job``; None when Slurm cannot say (no scontrol, no answer)."""
+def _show_job(job_id: str, name: str, run: Runner) -> str | None:
+    """One field of ``scontrol show job -o``; None when Slurm cannot say (no scontrol, no answer)."""
     exe = shutil.which("scontrol")
     if exe is None:
         return None
@@ -186,18 +185,17 @@ def job_state(job_id: str, run: Runner = subprocess.run) -> str | None:
         res = run([exe, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    m = re.search(r"\bJobState=(\S+)", res.stdout or "")
+    m = re.search(rf"\b{name}=(\S+)", res.stdout or "")
     return m.group(1) if m and res.returncode == 0 else None
+
+
+def job_state(job_id: str, run: Runner = subprocess.run) -> str | None:
+    """The job's ``JobState`` (RUNNING, COMPLETING, PENDING after a requeue, ...); None when Slurm
+    cannot say."""
+    return _show_job(job_id, "JobState", run)
 
 
 def batch_script(job_id: str, run: Runner = subprocess.run) -> str | None:
     """The job's batch script path (``Command=`` of ``scontrol show job``), for the resubmit line."""
-    exe = shutil.which("scontrol")
-    if exe is None:
-        return None
-    try:
-        res = run([exe, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"\bCommand=(\S+)", res.stdout or "")
-    return m.group(1) if m and res.returncode == 0 and m.group(1) != "(null)" else None
+    command = _show_job(job_id, "Command", run)
+    return None if command == "(null)" else command
