@@ -470,24 +470,27 @@ class TrainguardAgent(LocalElasticAgent):
         signals every process of it in no order, and this agent's copy may come a moment after
         the workers'. Wait for it (the handler raises SignalException here, and the job is recorded
         as preempted, its snapshots persisted) before treating the deaths as a failure."""
-        deadline = time.monotonic() + STOP_SIGNAL_GRACE_S
-        while time.monotonic() < deadline:
-            stopsignal.raise_pending()
-            time.sleep(0.05)
+        _wait_for_stop_signal(STOP_SIGNAL_GRACE_S)
         if _scheduler_stops_the_job():
             # Slurm stopping a step does not always reach every process (srun forcing the step's
             # end on another node signalled the workers here, never their agent): the scheduler's
             # own word is the signal, taken the way a delivered one is.
             log.warning("the workers died of a stop signal and the scheduler is ending the job: stopping as signalled")
             os.kill(os.getpid(), signal.SIGTERM)
-            end = time.monotonic() + STOP_SIGNAL_GRACE_S
-            while time.monotonic() < end:
-                stopsignal.raise_pending()
-                time.sleep(0.05)
+            _wait_for_stop_signal(STOP_SIGNAL_GRACE_S)
 
     def close(self) -> None:
         self.monitors.notify("close")
         self._worker_store = None
+
+
+def _wait_for_stop_signal(seconds: float) -> None:
+    """Give a stop signal ``seconds`` to arrive: its handler raises SignalException in this
+    loop, or the recorded one is raised again should a broad ``except`` have swallowed it."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        stopsignal.raise_pending()
+        time.sleep(0.05)
 
 
 def _scheduler_stops_the_job() -> bool:
