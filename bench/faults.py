@@ -281,6 +281,9 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
             restarted = [t for t, s in after if s <= before]  # a step trained again: the restart is back
             row.recover_s = round((restarted[0] if restarted else after[0][0]) - t0, 1)
             row.lost = max(0, before - min(resumed)) if resumed else 0
+            if row.lost > 1:  # where each rank resumed from (memory, disk), for the reader of a failed row
+                loads = [f"{e.node} r{e.rank}: {e.message}" for e in events(run) if e.time > t0 and e.kind == "checkpoint_loaded"]
+                row.note = f"last step before {before}; " + "; ".join(loads or ["no checkpoint_loaded event"])
         finished = all(c == 0 for c in codes) and codes
         left = [p for p in job_processes(run) if p.is_running()] if finished else []
         # A killed node's snapshot in /dev/shm is that node's memory, gone with it on a real machine
@@ -289,7 +292,8 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         gone = {agents[victim - 1].pid} if victim and fault in KILLS else set()
         if fault == "agent-kill":  # the node lives on: what its next agent does first (issue 18.12)
             rescued = rescue_like_the_next_agent(agents[victim - 1].pid, ckpt, shm_roots[victim])
-            row.note = f"next agent on n{victim} rescued {rescued} snapshot dir(s) the killed one held"
+            rescue = f"next agent on n{victim} rescued {rescued} snapshot dir(s) the killed one held"
+            row.note = f"{rescue}; {row.note}" if row.note else rescue
         shm_left = [n for n in os.listdir("/dev/shm") if any(str(a.pid) in n for a in agents if a.pid not in gone)]
         shm_left += [n for i, root in shm_roots.items() if not (i == victim and fault in KILLS) for n in os.listdir(root)]
         row.survived = bool(finished) and not left and not shm_left and (row.lost or 0) <= 1 and not (slow and evs)
