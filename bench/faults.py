@@ -28,6 +28,7 @@ has netem; elsewhere its row says so and it is not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -52,7 +54,8 @@ from trainguard.events.store import read_all  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 STEP = re.compile(r"\bstep=(\d+) rank=(\d+) t=([\d.]+)")
-RESUME = re.compile(r"\bresume step=(\d+)")
+# Each rank log line starts with the local time it was written (launch/logs.py).
+RESUME = re.compile(r"^(\d{4}-\d\d-\d\dT[\d:.]+) .*\bresume step=(\d+)", re.M)
 DEADLINE = 240.0
 VERDICT_KINDS = ("node_lost", "worker_failed", "worker_lost_peer", "checkpoint_failed", "checkpoint_fallback",
                  "policy_decision", "job_failed")  # fmt: skip
@@ -113,6 +116,14 @@ def steps(run: Path) -> list[tuple[int, float]]:
     for log in run.glob("logs/attempt-*/rank-*.log"):
         out += [(int(s), float(t)) for s, r, t in STEP.findall(log.read_text(errors="replace")) if r == "0"]
     return out
+
+
+def resumes_after(run: Path, t0: float) -> list[int]:
+    """The steps ranks resumed from in workers started after ``t0``. By time, not attempt number:
+    a node's attempt count also grows when the job first forms on fewer nodes and then grows."""
+    return [int(k) for log in run.glob("logs/attempt-*/rank-*.log")
+            for when, k in RESUME.findall(log.read_text(errors="replace"))
+            if datetime.fromisoformat(when).timestamp() > t0]  # fmt: skip
 
 
 def job_processes(run: Path) -> list[psutil.Process]:
@@ -275,8 +286,7 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         all_steps = steps(run)
         before = max((s for s, t in all_steps if t <= t0), default=0)
         after = sorted((t, s) for s, t in all_steps if t > t0)
-        resumed = [int(k) for log in run.glob("logs/attempt-*/rank-*.log") if log.parent.name != "attempt-0"
-                   for k in RESUME.findall(log.read_text(errors="replace"))]  # fmt: skip
+        resumed = resumes_after(run, t0)
         if after:
             restarted = [t for t, s in after if s <= before]  # a step trained again: the restart is back
             row.recover_s = round((restarted[0] if restarted else after[0][0]) - t0, 1)
@@ -352,7 +362,9 @@ def main() -> int:
         print(f"faults.py: error: {testbed.available() or f'unknown faults {unknown}'}", file=sys.stderr)
         return 2
     rows = []
-    with tempfile.TemporaryDirectory(prefix="tgfaults-", dir=args.keep) as tmp:
+    # --keep: the cases' dirs stay for the reader (a failed row is diagnosed from them)
+    keep = tempfile.mkdtemp(prefix="tgfaults-", dir=args.keep) if args.keep else None
+    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="tgfaults-") as tmp:
         print(f"{'fault':<26} {'survived':<8} {'detect_s':>8} {'recover_s':>9} {'lost':>4}  verdict / note", flush=True)
         # Cases are independent (a bridge, namespaces, run dir and checkpoint dir each): with
         # --jobs > 1 they overlap, and rows still print in the order asked for.

@@ -4,16 +4,18 @@ expected verdict; a case the host cannot run (net-delay without the netem qdisc)
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 from tgtest import REPO
 
 from trainguard.chaos import testbed
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(testbed.available() is not None, reason=str(testbed.available()))]
+needs_testbed = pytest.mark.skipif(testbed.available() is not None, reason=str(testbed.available()))
 
 # The verdict each case must reach (the row's verdict column starts with it).
 EXPECTED = {
@@ -29,6 +31,8 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
+@needs_testbed
 @pytest.mark.timeout(1200)
 def test_fault_matrix_every_case_survived(tmp_path):
     done = subprocess.run(
@@ -51,3 +55,31 @@ def test_fault_matrix_every_case_survived(tmp_path):
     assert "rescued 1 snapshot dir" in rows["agent-kill"], rows["agent-kill"]
     summary = re.fullmatch(r"(\d+)/(\d+) faults survived, 0 steps lost beyond 1", lines[-1])
     assert summary and int(summary[1]) == int(summary[2]) == ran >= 8, done.stdout
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("faults_bench", REPO / "bench" / "faults.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_steps_lost_count_only_workers_started_after_the_fault(tmp_path):
+    """The job first formed on 2 nodes (attempt 0), grew to 3 (attempt 1, `resume step=0`: nothing
+    trained yet), then lost one (attempt 2, resumed at 17). Only attempt 2 is a recovery from the
+    fault; counting attempt 1 reported 17 steps lost in CI (2026-11-24)."""
+    def log(attempt: int, rank: int, when: float, step: int) -> None:
+        d = tmp_path / "logs" / f"attempt-{attempt}"
+        d.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.fromtimestamp(when).strftime("%Y-%m-%dT%H:%M:%S.%f")
+        (d / f"rank-{rank}.log").write_text(f"{stamp} [rank{rank}]: resume step={step}\n"
+                                             f"{stamp} [rank{rank}]: step={step + 1} rank={rank} t={when:.3f}\n")
+
+    t0 = 1_795_567_055.0
+    for rank in (0, 1):
+        log(0, rank, t0 - 5, 0)
+        log(1, rank, t0 - 2, 0)
+        log(2, rank, t0 + 7, 17)
+    log(0, 2, t0 - 2, 0)
+    assert sorted(_bench().resumes_after(tmp_path, t0)) == [17, 17]

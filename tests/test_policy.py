@@ -113,6 +113,30 @@ def test_infrastructure_failures_restart_within_the_budget(failure):
     assert "2 restart(s) left" in d.reason
 
 
+GLOO_CONNECT_REFUSED = info(
+    error=err_file("RuntimeError: Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:152] "
+                   "timed out connecting: SO_ERROR: Connection refused, remote=[10.210.129.1]:13200")
+)
+
+
+@pytest.mark.parametrize("failure", [GLOO_PEER, GLOO_CONNECT_REFUSED])
+def test_losing_peers_while_a_new_round_is_pending_is_a_membership_change(failure):
+    """The job formed on 2 of 2:3 nodes; the third arrived, node 0's agent left the round for a new
+    one and node 1's fresh workers could not reach node 0's (fault matrix, 2026-11-25): not a
+    failure of node 1, and no restart used, even with none left."""
+    for left in (2, 0):
+        d = P.decide_on_failure({1: failure}, left, None, HEALTHY, new_round_pending=True)
+        assert d.action == Action.RERENDEZVOUS and "no restart used" in d.reason, d
+        assert d.evidence["membership_change"] is True
+    assert P.decide_on_failure({1: failure}, 2, None, HEALTHY).action == Action.RESTART
+
+
+@pytest.mark.parametrize("failure", [ZERODIV, SIGKILL, ECC_TAIL])
+def test_a_pending_round_does_not_excuse_a_failure_of_its_own(failure):
+    d = P.decide_on_failure({0: failure}, 2, None, HEALTHY, new_round_pending=True)
+    assert d.action != Action.RERENDEZVOUS, d
+
+
 @pytest.mark.parametrize("failure", [SIGKILL, SIGSEGV, BARE_EXIT, NCCL_ERR])
 def test_infrastructure_failures_stop_when_the_budget_is_spent(failure):
     d = P.decide_on_failure({0: failure}, 0, None, HEALTHY)

@@ -213,11 +213,15 @@ def decide_on_failure(
     diagnosis: Diagnosis | None = None,
     hardware: HardwareReport | None = None,
     hang: HangEvidence | None = None,
+    new_round_pending: bool = False,
 ) -> Decision:
     """Workers of this node failed. ``diagnosis``: the log diagnosis of the attempt; ``hardware``:
     the quick check run after the failure (None when none ran); ``hang``: the job's hang verdict,
     when one stands (on several nodes, a node restarting on it makes the others' workers lose
-    their peers: they act on the verdict too, not on a failure of their own)."""
+    their peers: they act on the verdict too, not on a failure of their own).
+    ``new_round_pending``: nodes wait in the rendezvous for a new round (one joined late, or
+    another node's agent already left this round for it): a failure to reach peers is then that
+    peer moving on, a membership change that does not use the restart budget."""
     ranks = sorted(failures)
     on_hang = decide_on_hang(hang) if hang is not None else None
     if on_hang is not None:
@@ -246,6 +250,11 @@ def decide_on_failure(
         )
         source = "hardware_check" if hw_faulty else source
         exit_message = NODE_DOWN_MESSAGE
+    elif new_round_pending and cause.kind == COMMUNICATION:
+        evidence["membership_change"] = True
+        action = Action.RERENDEZVOUS
+        reason = (f"workers failed ({where}: {cause.detail}) while nodes wait for a new rendezvous round: "
+                  "a peer moved on to it (a node joined or restarted); no restart used")
     elif cause.kind in (USER, ENVIRONMENT):
         evidence["scenario"] = 4
         hw = "healthy hardware" if hardware is not None else "no hardware fault known"

@@ -111,6 +111,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.ctx: MonitorContext | None = None
         self.procs: TrainguardPContext | None = None
         self.restart_reason = "worker failure"
+        self.new_round = False  # the policy decided RERENDEZVOUS: the coming restart uses no budget
         self.final_failures: dict[int, RankFailure] = {}
         self.stop_decision: Decision | None = None
         self._worker_store: Any = None
@@ -151,6 +152,7 @@ class TrainguardAgent(LocalElasticAgent):
                 self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, d.reason)
         elif d.action == Action.RERENDEZVOUS:  # a membership change does not use the restart budget
             torch_compat.set_remaining_restarts(self, torch_compat.remaining_restarts(self) + 1)
+            self.new_round = True
             if made_here and d.source == "node_lost":  # the other survivors go along without a restart
                 for node in d.evidence.get("nodes", {}):
                     self.peers.announce_leaving(self.get_worker_group().store, node)
@@ -380,8 +382,11 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         restart_count = worker_group.spec.max_restarts - torch_compat.remaining_restarts(self)
-        membership = worker_group.state == WorkerState.HEALTHY  # elastic restarts healthy groups for new rounds
-        reason = "another node restarted or joined: new rendezvous round" if membership else self.restart_reason
+        # elastic restarts healthy groups for new rounds; the policy's RERENDEZVOUS (a node lost, a
+        # peer that moved on) comes as a failed group whose restart it gave back
+        membership = worker_group.state == WorkerState.HEALTHY or self.new_round
+        reason = ("another node restarted or joined: new rendezvous round"
+                  if worker_group.state == WorkerState.HEALTHY else self.restart_reason)
         what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
         self.bus.emit(
             "restart",
@@ -395,6 +400,7 @@ class TrainguardAgent(LocalElasticAgent):
             },
         )
         self.restart_reason = "worker failure"
+        self.new_round = False
         super()._restart_workers(worker_group)
 
     # ---- monitoring -------------------------------------------------------------------------
@@ -458,6 +464,7 @@ class TrainguardAgent(LocalElasticAgent):
                 found.diagnosis if found else None,
                 found.hardware if found else None,
                 found.hang if found else None,
+                new_round_pending=_nodes_waiting(wg) > 0,
             )
         except Exception as exc:  # the policy failing must not take the job with it
             log.exception("policy failed")
@@ -482,6 +489,15 @@ class TrainguardAgent(LocalElasticAgent):
     def close(self) -> None:
         self.monitors.notify("close")
         self._worker_store = None
+
+
+def _nodes_waiting(wg: WorkerGroup) -> int:
+    """Nodes waiting in the rendezvous for a new round (0 when the store cannot say)."""
+    try:
+        return wg.spec.rdzv_handler.num_nodes_waiting()
+    except Exception as exc:  # the store host may be what failed: no membership change known
+        log.debug("num_nodes_waiting failed: %s", exc)
+        return 0
 
 
 def _wait_for_stop_signal(seconds: float) -> None:
