@@ -14,6 +14,7 @@ import pytest
 from tgtest import REPO
 
 from trainguard.chaos import testbed
+from trainguard.events.store import read_all
 
 needs_testbed = pytest.mark.skipif(testbed.available() is not None, reason=str(testbed.available()))
 
@@ -55,6 +56,25 @@ def test_fault_matrix_every_case_survived(tmp_path):
     assert "rescued 1 snapshot dir" in rows["agent-kill"], rows["agent-kill"]
     summary = re.fullmatch(r"(\d+)/(\d+) faults survived, 0 steps lost beyond 1", lines[-1])
     assert summary and int(summary[1]) == int(summary[2]) == ran >= 8, done.stdout
+    for fault in ("kill-node", "store-host-kill"):
+        _lost_node_left_in_a_new_round(next(tmp_path.glob(f"tgfaults-*/{fault}/run")))
+
+
+def _lost_node_left_in_a_new_round(run) -> None:
+    """A node lost (SIGKILL of its agent and workers; on etcd-v2 the node of group rank 0): every
+    survivor decided to go on without it in a new round that used no restart, the survivors
+    resumed from the snapshot, and the job stayed one run (its id agreed in the store)."""
+    injected = [e for e in read_all(run) if e.kind == "chaos_injected"][-1]
+    victim = injected.evidence.get("node") or injected.node
+    after = [e for e in read_all(run) if e.time >= injected.time and e.node != victim]
+    decisions = [e for e in after if e.kind == "policy_decision" and e.evidence.get("source") == "node_lost"]
+    assert decisions and all(e.evidence["action"] == "rerendezvous" for e in decisions), decisions
+    restarts = [e for e in after if e.kind == "restart"]
+    assert restarts and all(e.evidence["membership_change"] for e in restarts), [e.message for e in restarts]
+    assert [e for e in after if e.kind == "checkpoint_loaded"], "the survivors resumed from the snapshot"
+    started = [e for e in read_all(run) if e.kind == "job_started"]
+    assert len({e.evidence["run_id"] for e in started}) == 1, started
+    assert {e.node for e in after if e.kind == "job_started"} == {e.node for e in after if e.kind == "job_succeeded"}
 
 
 def _bench():

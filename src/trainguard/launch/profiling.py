@@ -161,6 +161,11 @@ class ProfilingMonitor(Monitor):
         for rank, req in list(self._held.items()):
             self._end_hold(rank, req, "the job ended")
 
+    def flush(self) -> None:
+        """Write what the workers have recorded so far to the record files now (the background
+        thread does it every ``tick_s``)."""
+        self._tick()
+
     def poll(self, ctx: MonitorContext) -> None:
         with self._lock:
             for rank, st in self._ranks.items():

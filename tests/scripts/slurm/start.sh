@@ -42,6 +42,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+# A requeued job whose BeginTime has passed starts at the next scheduling pass: every second here,
+# not backfill's default 30 s (the requeue tests waited ~17 s each for it).
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
