@@ -29,6 +29,24 @@ def available() -> str | None:
     return None
 
 
+def netem_missing() -> str | None:
+    """Why the kernel cannot add a netem qdisc (None: it can), tried for real on the loopback of a
+    throw-away namespace: the module may be built in, loadable or absent."""
+    ns = f"tgprobe{secrets.token_hex(3)}"
+    try:
+        _ip("netns", "add", ns)
+    except TestbedError as exc:
+        return str(exc)
+    try:
+        done = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        return None if done.returncode == 0 else f"tc qdisc add ... netem: {done.stderr.strip() or done.returncode}"
+    except (OSError, subprocess.SubprocessError) as exc:  # no tc
+        return f"tc: {exc}"
+    finally:
+        _ip("netns", "delete", ns, check=False)
+
+
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = ["ip", *(["netns", "exec", netns, "ip"] if netns else []), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
