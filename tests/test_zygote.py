@@ -15,7 +15,9 @@ from tgtest import EXAMPLE, alive, events, processes_of, rank_log, wait_event, w
 
 from trainguard.launch import zygote as zygote_mod
 from trainguard.launch.pool import WorkerPool
+from trainguard.launch.profiling import sweep_rings
 from trainguard.launch.zygote import Zygote
+from trainguard.worker import ring
 
 
 def _spec(tmp_path, code: str) -> dict:
@@ -159,6 +161,10 @@ def test_back_to_back_kills_recover_from_forked_workers_and_agent_kill_leaves_no
     wait_for(lambda: not alive(procs), 60, "zygote, spares and workers gone with the agent")
     # but its snapshots do, for the next agent on the node to persist (in the test's own tmpfs dir)
     assert [n for n in os.listdir(jobs.shm_root) if n.startswith(f"trainguard-ckpt-{job.proc.pid}-")]
+    # and so may its workers' profiling rings in /dev/shm, which the next agent removes first
+    # (a ring the dead agent had not yet opened and unlinked: CI found one after the suite)
+    sweep_rings()
+    assert not [n for n in os.listdir(ring.shm_dir()) if n.startswith(f"trainguard-{job.proc.pid}-")]
 
 
 
