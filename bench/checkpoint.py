@@ -91,6 +91,13 @@ def state_bytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(state))
 
 
+def _tensors(state) -> list:
+    """The tensors ``save`` copies, as it finds them."""
+    from trainguard.checkpoint.format import flatten
+
+    return flatten(state)[1]
+
+
 def window(step_fn, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -147,18 +154,6 @@ def copy_floor_s(state, shm_root: Path, repeats: int = 9) -> float:
     finally:
         mm.close()
         path.unlink()
-
-
-def _tensors(state) -> list:
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, list | tuple):
-        return [t for v in state for t in _tensors(v)]
-    return []
 
 
 def cpu_seconds(pid: int) -> float:

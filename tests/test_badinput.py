@@ -3,16 +3,10 @@ traceback, never a hang. The table is bench/badinput.py's (that script prints th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-from tgtest import REPO
+from tgtest import bench_module
 
-_spec = importlib.util.spec_from_file_location("badinput", REPO / "bench" / "badinput.py")
-badinput = importlib.util.module_from_spec(_spec)
-sys.modules["badinput"] = badinput  # dataclasses look their module up by name
-_spec.loader.exec_module(badinput)
+badinput = bench_module("badinput")
 
 
 @pytest.mark.slow  # 54 processes, most of them import torch

@@ -5,20 +5,13 @@ issue's done-when bar with room to spare; bench/diagnose_accuracy.py prints the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from tgtest import bench_module
 
 from trainguard.diagnose.prefilter import _hs
 from trainguard.diagnose.rules import CATEGORIES
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("diagnose_accuracy", REPO / "bench" / "diagnose_accuracy.py")
-acc = importlib.util.module_from_spec(_spec)
-sys.modules["diagnose_accuracy"] = acc  # dataclasses look their module up
-_spec.loader.exec_module(acc)  # type: ignore[union-attr]
+acc = bench_module("diagnose_accuracy")
 
 CASES = acc.load_cases()
 ENGINES = ["re"] + (["hyperscan"] if _hs is not None else [])

@@ -4,14 +4,13 @@ expected verdict; a case the host cannot run (net-delay without the netem qdisc)
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from datetime import datetime
 
 import pytest
-from tgtest import REPO
+from tgtest import REPO, bench_module
 
 from trainguard.chaos import testbed
 from trainguard.events.store import read_all
@@ -77,14 +76,6 @@ def _lost_node_left_in_a_new_round(run) -> None:
     assert {e.node for e in after if e.kind == "job_started"} == {e.node for e in after if e.kind == "job_succeeded"}
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("faults_bench", REPO / "bench" / "faults.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_steps_lost_count_only_workers_started_after_the_fault(tmp_path):
     """The job first formed on 2 nodes (attempt 0), grew to 3 (attempt 1, `resume step=0`: nothing
     trained yet), then lost one (attempt 2, resumed at 17). Only attempt 2 is a recovery from the
@@ -102,4 +93,4 @@ def test_steps_lost_count_only_workers_started_after_the_fault(tmp_path):
         log(1, rank, t0 - 2, 0)
         log(2, rank, t0 + 7, 17)
     log(0, 2, t0 - 2, 0)
-    assert sorted(_bench().resumes_after(tmp_path, t0)) == [17, 17]
+    assert sorted(bench_module("faults").resumes_after(tmp_path, t0)) == [17, 17]

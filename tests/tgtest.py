@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -19,6 +20,16 @@ from trainguard.events.store import read_all
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported as module ``name`` (registered first: its dataclasses look
+    their module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
 DEADLINE = 180.0  # generous: these machines are shared and noisy
 
 
