@@ -58,7 +58,7 @@ BACKENDS = ("torch.save", TG, OVERLAP)
 
 def agent_main(run_dir: str, ckpt_dir: str, shm_root: str) -> None:
     """Stand-in agent: the checkpoint monitor in its own process until stdin closes."""
-    from trainguard.launch.checkpoint_monitor import CheckpointMonitor
+    from trainguard.monitors.checkpoint import CheckpointMonitor
 
     mon = CheckpointMonitor(ckpt_dir=ckpt_dir, keep=2, shm_root=shm_root)
     print(json.dumps(mon.worker_env(Path(run_dir))), flush=True)

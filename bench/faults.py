@@ -54,7 +54,7 @@ from trainguard.events.store import read_all  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 STEP = re.compile(r"\bstep=(\d+) rank=(\d+) t=([\d.]+)")
-# Each rank log line starts with the local time it was written (launch/logs.py).
+# Each rank log line starts with the local time it was written (spawn/logs.py).
 RESUME = re.compile(r"^(\d{4}-\d\d-\d\dT[\d:.]+) .*\bresume step=(\d+)", re.M)
 DEADLINE = 240.0
 VERDICT_KINDS = ("node_lost", "worker_failed", "worker_lost_peer", "checkpoint_failed", "checkpoint_fallback",

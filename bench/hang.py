@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from hang_harness import Attempt, hang_events, run_job  # noqa: E402
 
 from trainguard.detect.hang import percentile  # noqa: E402
-from trainguard.launch.hang import HangConfig, HangMonitor  # noqa: E402
+from trainguard.monitors.hang.monitor import HangConfig, HangMonitor  # noqa: E402
 
 HEALTHY = ROOT / "tests" / "scripts" / "healthy_phases.py"
 FAULTS = {  # fault -> (world, culprit rank)

@@ -2,7 +2,7 @@
 store, the real detectors, synthetic per-rank data; 64 -> 10,000 ranks (8 ranks per agent).
 
 One round = one straggler window (about once a second while training). Every simulated agent is
-a real ``launch.straggler.StragglerMonitor`` with its own ``MonitorContext``; each round every
+a real ``monitors.straggler.StragglerMonitor`` with its own ``MonitorContext``; each round every
 agent is handed its ranks' window summaries and polled, as the agent's loop does. One rank is
 60 % slower in compute: every round must name it, and only it. Store traffic (operations and
 bytes) is counted on the way into one TCPStore (libuv, 127.0.0.1); times are one core (this
@@ -38,9 +38,9 @@ from torch.distributed import PrefixStore, TCPStore  # noqa: E402
 from trainguard.detect import straggler as S  # noqa: E402
 from trainguard.detect.culprit import find_culprit  # noqa: E402
 from trainguard.events import EventBus  # noqa: E402
-from trainguard.launch import straggler as SM  # noqa: E402
-from trainguard.launch.hang_exchange import HangExchange, NodeViews, view_from_dict, view_to_dict  # noqa: E402
-from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo  # noqa: E402
+from trainguard.monitors import straggler as SM  # noqa: E402
+from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo  # noqa: E402
+from trainguard.monitors.hang.exchange import HangExchange, NodeViews, view_from_dict, view_to_dict  # noqa: E402
 
 RANKS_PER_NODE = 8
 
@@ -169,7 +169,7 @@ def all_to_all(client, ranks: int, sample: int) -> dict:
 
 
 def hang_side(client, ranks: int) -> dict:
-    """One suspected multi-node hang through the real exchange (launch.hang_exchange) on the
+    """One suspected multi-node hang through the real exchange (monitors.hang.exchange) on the
     counted store: every node publishes its ranks' views and asks whether a rank elsewhere still
     progresses (two counters); the one node that judges for the job reads every view and names
     the culprit. The design it replaced had every node read every view (bytes computed)."""

@@ -22,8 +22,8 @@ from trainguard.checkpoint.client import Checkpointer
 from trainguard.checkpoint.shm import Slot, slot_path
 from trainguard.events import EventBus, EventStore
 from trainguard.events.store import read_all
-from trainguard.launch.checkpoint_monitor import CheckpointMonitor
-from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
+from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
+from trainguard.monitors.checkpoint import CheckpointMonitor
 
 WORKER = SCRIPTS / "checkpoint_worker.py"
 AGENT = SCRIPTS / "checkpoint_agent.py"

@@ -27,8 +27,8 @@ from trainguard.checkpoint.shm import (
     slot_path,
 )
 from trainguard.events import EventBus, EventStore
-from trainguard.launch.checkpoint_monitor import CheckpointMonitor
-from trainguard.launch.monitor import MonitorContext, StepTracker
+from trainguard.monitors.api import MonitorContext, StepTracker
+from trainguard.monitors.checkpoint import CheckpointMonitor
 
 
 @pytest.fixture(autouse=True)

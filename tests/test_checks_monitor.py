@@ -13,11 +13,11 @@ from tgtest import wait_for
 from torch.distributed import PrefixStore, TCPStore
 
 from trainguard import policy
+from trainguard.agent.cli import make_parser
 from trainguard.checks.items import HardwareReport
 from trainguard.events import EventBus, EventStore
-from trainguard.launch import checks_monitor as CM
-from trainguard.launch.cli import make_parser
-from trainguard.launch.monitor import MonitorContext, StepTracker
+from trainguard.monitors import checks as CM
+from trainguard.monitors.api import MonitorContext, StepTracker
 from trainguard.policy import Action
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from trainguard.events import EventBus
 from trainguard.events.store import EventStore
 from trainguard.evidence import Diagnosis, RankFailure
-from trainguard.launch import diagnosis_monitor
-from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
+from trainguard.monitors import diagnosis as diagnosis_monitor
+from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 

@@ -1,7 +1,7 @@
 """classify_text: the one source of failure-text knowledge for the agent and the policy.
 
 Every alternative of the three regexes it replaces is here as a realistic line, so nothing they
-recognised is lost: the agent's PEER_LOSS (launch/agent.py) -> peer_loss, the policy's
+recognised is lost: the agent's PEER_LOSS (agent/elastic.py) -> peer_loss, the policy's
 _HARDWARE_TEXT -> family "hardware", its _COMMUNICATION_TEXT -> family "communication"."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 from tgtest import EXAMPLE, free_port
 
 from trainguard.chaos import etcd_server
-from trainguard.launch import runs
+from trainguard.cluster import runs
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_first_writer_claims_work_on_an_etcd_store(etcd, tmp_path):
     import etcd as etcd_client
     from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
-    from trainguard.launch import exchange
+    from trainguard.cluster import exchange
 
     stores = [EtcdStore(etcd_client.Client(host=etcd.host, port=etcd.port), f"/tg-claim/{tmp_path.name}",
                         timeout=datetime.timedelta(seconds=30)) for _ in range(2)]  # fmt: skip

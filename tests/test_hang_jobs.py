@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.detect.hang import HangConfig
-from trainguard.launch.hang import HangMonitor
+from trainguard.monitors.hang.monitor import HangMonitor
 from trainguard.policy import Action
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))

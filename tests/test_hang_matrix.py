@@ -21,7 +21,7 @@ import pytest
 from tgtest import SCRIPTS, events
 
 from trainguard.detect.hang import HangConfig
-from trainguard.launch.hang import HangMonitor
+from trainguard.monitors.hang.monitor import HangMonitor
 
 sys.path.insert(0, str(SCRIPTS))
 from hang_harness import hang_events, run_job  # noqa: E402

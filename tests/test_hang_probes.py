@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tgtest import wait_for
 
-from trainguard.launch import hang as hang_monitor
+from trainguard.monitors.hang import monitor as hang_monitor
 from trainguard.probes import proc, stacks
 
 
@@ -174,7 +174,7 @@ def test_hang_views_shared_across_nodes_name_a_remote_culprit() -> None:
     from torch.distributed import TCPStore
 
     from trainguard.detect.culprit import RankView, find_culprit
-    from trainguard.launch.hang_exchange import HangExchange, NodeViews
+    from trainguard.monitors.hang.exchange import HangExchange, NodeViews
     from trainguard.probes.stacks import Frame
 
     c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -210,7 +210,7 @@ def test_hang_other_nodes_progress_is_counted_not_gathered() -> None:
     from torch.distributed import TCPStore
 
     from trainguard.detect.culprit import RankView
-    from trainguard.launch.hang_exchange import HangExchange, NodeViews
+    from trainguard.monitors.hang.exchange import HangExchange, NodeViews
     from trainguard.probes.stacks import Frame
 
     view = {0: RankView(0, "S", (Frame("main", "/job/train.py", 96),))}
@@ -244,7 +244,7 @@ def test_hang_one_verdict_for_the_job_first_writer_wins() -> None:
     from torch.distributed import TCPStore
 
     from trainguard.evidence import HangEvidence
-    from trainguard.launch.hang_exchange import HangExchange
+    from trainguard.monitors.hang.exchange import HangExchange
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
@@ -278,8 +278,8 @@ def test_hang_claimer_gone_a_waiting_node_judges_and_one_verdict_stands(tmp_path
     from trainguard.detect.hang import Assessment, HangConfig
     from trainguard.detect.progress import StallVerdict
     from trainguard.events import EventBus
-    from trainguard.launch.hang_exchange import HangExchange, NodeViews
-    from trainguard.launch.monitor import MonitorContext, StepTracker
+    from trainguard.monitors.api import MonitorContext, StepTracker
+    from trainguard.monitors.hang.exchange import HangExchange, NodeViews
     from trainguard.probes.stacks import Frame
 
     c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -331,7 +331,7 @@ def test_hang_monitor_learns_the_first_step_of_an_attempt_no_round_saw(tmp_path:
     from trainguard.detect.hang import HangConfig
     from trainguard.events import EventBus
     from trainguard.events.store import EventStore
-    from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
+    from trainguard.monitors.api import MonitorContext, StepSample, StepTracker, WorkerInfo
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)  # reaped: its pid names no worker any more, as after a short attempt

@@ -1,14 +1,14 @@
-"""The agent's parts that are not torch: failure ordering (launch/failures.py) and messages between
-agents through a real TCPStore on 127.0.0.1 (launch/peers.py)."""
+"""The agent's parts that are not torch: failure ordering (spawn/failures.py) and messages between
+agents through a real TCPStore on 127.0.0.1 (cluster/peers.py)."""
 
 from __future__ import annotations
 
 from torch.distributed import TCPStore
 
+from trainguard.cluster.peers import LEAVING_KEY, STOP_KEY, Peers
+from trainguard.cluster.stores import JobKey
 from trainguard.evidence import PeerLeft, PeerStop, RankFailure
-from trainguard.launch import failures as F
-from trainguard.launch.peers import LEAVING_KEY, STOP_KEY, Peers
-from trainguard.stores import JobKey
+from trainguard.spawn import failures as F
 
 PEER_GONE = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4312"
 

@@ -9,8 +9,8 @@ from tgtest import wait_for
 from torch.distributed import TCPStore
 
 from trainguard.events import EventBus, EventStore
-from trainguard.launch.liveness import LivenessMonitor, LivenessSettings
-from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
+from trainguard.monitors.api import MonitorContext, StepSample, StepTracker, WorkerInfo
+from trainguard.monitors.liveness import LivenessMonitor, LivenessSettings
 
 FAST = LivenessSettings(interval_s=0.05, lost_after_s=0.6)
 

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from trainguard.events import EventBus, EventStore
-from trainguard.launch.monitor import Monitor, MonitorSet
+from trainguard.monitors.api import Monitor, MonitorSet
 from trainguard.schedulers.adapter import STOP_SIGNALS
 
 
@@ -51,7 +51,8 @@ class Swallowing(Monitor):
 
 
 def test_a_stop_signal_swallowed_inside_a_monitor_is_raised_again(tmp_path, monkeypatch):
-    from trainguard.launch import api, stopsignal
+    from trainguard import stopsignal
+    from trainguard.agent import launch as api
 
     monkeypatch.setattr(stopsignal, "_pending", None)
     store = EventStore(tmp_path)
@@ -77,7 +78,7 @@ def test_a_stop_signal_swallowed_inside_a_monitor_is_raised_again(tmp_path, monk
 def test_failure_findings_carry_the_jobs_hang_verdict():
     """A hang verdict a monitor hands over with a failure reaches the policy beside the others'."""
     from trainguard.evidence import HangEvidence
-    from trainguard.launch.monitor import FailureFindings
+    from trainguard.monitors.api import FailureFindings
 
     class Verdict(Monitor):
         name = "hang"

@@ -15,8 +15,8 @@ from trainguard.checks.bench import CHAOS_ENV
 from trainguard.checks.items import HardwareReport
 from trainguard.detect.nodecheck import recheck_nodes
 from trainguard.evidence import RankFailure
-from trainguard.launch.checks_monitor import NodeCheckConfig
-from trainguard.launch.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
+from trainguard.monitors.checks import NodeCheckConfig
+from trainguard.monitors.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
 from trainguard.policy import Action
 
 

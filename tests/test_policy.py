@@ -406,7 +406,7 @@ def test_running_evidence_goes_to_its_policy():
 
 
 def test_policy_settings_from_the_run_command_line():
-    from trainguard.launch.cli import make_parser
+    from trainguard.agent.cli import make_parser
 
     ns = make_parser().parse_args(["--nnodes", "2:4", "--exclude-straggler", "train.py"])
     s = P.PolicySettings.from_options(ns)

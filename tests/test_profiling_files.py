@@ -9,8 +9,8 @@ from argparse import Namespace
 
 import pytest
 
-from trainguard.launch import profile_cli
-from trainguard.launch import profile_files as pf
+from trainguard.monitors.profiling import cli as profile_cli
+from trainguard.monitors.profiling import files as pf
 from trainguard.worker.ring import FLAG_BASIC, FLAG_COMM
 
 

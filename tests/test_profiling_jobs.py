@@ -1,6 +1,6 @@
 """Real workers (gloo, CPU) instrumented by the bootstrap, read by real profiling monitors.
 
-The workers run through trainguard's worker entry (``trainguard.launch.worker_main``), which calls
+The workers run through trainguard's worker entry (``trainguard.spawn.worker_main``), which calls
 ``bootstrap.install()`` before the script — the script itself (examples/train_mlp.py) is unchanged.
 Agents are stood in for by ``ProfilingMonitor`` objects polled by the test, sharing a real TCPStore
 as the rendezvous store, so several "nodes" exchange their windows as they do under the agent.
@@ -22,10 +22,10 @@ from tgtest import EXAMPLE, free_port, wait_for
 from trainguard import policy
 from trainguard.detect.straggler import StragglerConfig
 from trainguard.events import EventBus, EventStore
-from trainguard.launch import profile_files as pf
-from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
-from trainguard.launch.profiling import ProfilingMonitor, ProfilingSettings
-from trainguard.launch.straggler import StragglerMonitor
+from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
+from trainguard.monitors.profiling import files as pf
+from trainguard.monitors.profiling.monitor import ProfilingMonitor, ProfilingSettings
+from trainguard.monitors.straggler import StragglerMonitor
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ class Cluster:
                 spec = {"env": env, "cwd": str(run_dir), "script": str(EXAMPLE), "args": script_args}
                 log = open(run_dir / f"rank-{rank}.log", "wb")  # noqa: SIM115
                 p = subprocess.Popen(
-                    [sys.executable, "-u", "-m", "trainguard.launch.worker_main", json.dumps(spec)],
+                    [sys.executable, "-u", "-m", "trainguard.spawn.worker_main", json.dumps(spec)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

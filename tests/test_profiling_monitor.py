@@ -10,10 +10,10 @@ from tgtest import wait_for
 from trainguard import policy
 from trainguard.detect.straggler import StragglerConfig
 from trainguard.events import EventBus, EventStore
-from trainguard.launch import profile_files as pf
-from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
-from trainguard.launch.profiling import ProfilingMonitor, ProfilingSettings
-from trainguard.launch.straggler import StragglerMonitor
+from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
+from trainguard.monitors.profiling import files as pf
+from trainguard.monitors.profiling.monitor import ProfilingMonitor, ProfilingSettings
+from trainguard.monitors.straggler import StragglerMonitor
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action
 from trainguard.worker import ring as R
 from trainguard.worker import spans

@@ -10,7 +10,7 @@ import sys
 import pytest
 from tgtest import SCRIPTS, free_port
 
-from trainguard.launch.profiling import sweep_rings
+from trainguard.monitors.profiling.monitor import sweep_rings
 from trainguard.worker import ring as R
 
 
@@ -19,7 +19,7 @@ def run_worker(script: str, env_extra: dict[str, str], tmp_path) -> subprocess.C
                MASTER_PORT=str(free_port()), TRAINGUARD_RESTART_COUNT="0", OMP_NUM_THREADS="1")
     env.update(env_extra)
     spec = {"env": env, "cwd": str(tmp_path), "script": script, "args": []}
-    return subprocess.run([sys.executable, "-m", "trainguard.launch.worker_main", json.dumps(spec)],
+    return subprocess.run([sys.executable, "-m", "trainguard.spawn.worker_main", json.dumps(spec)],
                           capture_output=True, text=True, timeout=180)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.agent.cli import make_parser
 from trainguard.exitcodes import (
     EXIT_EXCLUDED,
     EXIT_FAILED,
@@ -19,7 +20,6 @@ from trainguard.exitcodes import (
     retryable,
     signal_exit,
 )
-from trainguard.launch.cli import make_parser
 from trainguard.schedulers import adapter, hostlist, kubernetes, slurm
 
 # ------------------------------------------------------------------------------------ hostlist

@@ -79,7 +79,7 @@ def test_visible_indices_without_nvml_devices():
 
 def test_checks_and_hang_monitor_use_the_same_mapping(monkeypatch):
     from trainguard.checks import items
-    from trainguard.launch import hang
+    from trainguard.monitors.hang import monitor as hang
     from trainguard.probes import nvml
 
     health = [nvml.GpuHealth(g.index, uuid=g.uuid, mig=g.mig) for g in GPUS]
@@ -137,21 +137,19 @@ def test_given_passes_only_what_the_user_set():
 
 
 def run_options(*argv: str) -> argparse.Namespace:
-    from trainguard.launch.cli import make_parser
+    from trainguard.agent.cli import make_parser
 
     return make_parser().parse_args([*argv, "train.py"])
 
 
 def test_settings_without_flags_are_the_dataclass_defaults():
     from trainguard.detect.straggler import StragglerConfig
-    from trainguard.launch import (
-        checkpoint_monitor,
-        checks_monitor,
-        diagnosis_monitor,
-        hang,
-        profiling,
-        straggler,
-    )
+    from trainguard.monitors import checkpoint as checkpoint_monitor
+    from trainguard.monitors import checks as checks_monitor
+    from trainguard.monitors import diagnosis as diagnosis_monitor
+    from trainguard.monitors import straggler
+    from trainguard.monitors.hang import monitor as hang
+    from trainguard.monitors.profiling import monitor as profiling
 
     ns = run_options()
     assert hang.HangSettings.from_options(ns) == hang.HangSettings()
@@ -170,7 +168,11 @@ def test_settings_without_flags_are_the_dataclass_defaults():
 
 
 def test_settings_follow_the_flags():
-    from trainguard.launch import checkpoint_monitor, checks_monitor, hang, profiling, straggler
+    from trainguard.monitors import checkpoint as checkpoint_monitor
+    from trainguard.monitors import checks as checks_monitor
+    from trainguard.monitors import straggler
+    from trainguard.monitors.hang import monitor as hang
+    from trainguard.monitors.profiling import monitor as profiling
 
     ns = run_options(
         "--hang-period", "0.5", "--profiling", "off", "--profiling-comm", "on", "--straggler-window", "7",
@@ -189,7 +191,7 @@ def test_settings_follow_the_flags():
 
 
 def test_bad_environment_is_a_settings_error(monkeypatch):
-    from trainguard.launch import hang
+    from trainguard.monitors.hang import monitor as hang
 
     monkeypatch.setenv("TRAINGUARD_HANG_DETECT_TIME", "-3")
     with pytest.raises(SettingsError, match="TRAINGUARD_HANG_DETECT_TIME='-3'.*--no-hang-detect"):

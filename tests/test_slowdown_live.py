@@ -50,7 +50,7 @@ def test_bad_slowdown_flags_are_one_line_usage_errors(flag, value, capsys):
 
 
 def test_off_switch():
-    from trainguard.launch.slowdown_monitor import create
+    from trainguard.monitors.slowdown import create
 
     assert create(argparse.Namespace(slowdown="off")) is None
     assert create(argparse.Namespace(slowdown="on", slowdown_window=7, slowdown_threshold=0.5)).window == 7
@@ -66,9 +66,9 @@ def _lines(rank: int, steps: range, t0: float, step_s: float) -> tuple[str, floa
 
 def test_monitor_one_series_per_node_episodes_restarts_and_reused_run_dir(tmp_path):
     from trainguard.events import EventBus, EventStore
-    from trainguard.launch.logs import rank_log_path
-    from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
-    from trainguard.launch.slowdown_monitor import SlowdownMonitor
+    from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
+    from trainguard.monitors.slowdown import SlowdownMonitor
+    from trainguard.spawn.logs import rank_log_path
 
     db = EventStore(tmp_path)
     mon = SlowdownMonitor(window=5, threshold=0.8, tick_s=3600)  # the test drains through the hooks
@@ -127,7 +127,7 @@ def test_log_pump_ends_lines_at_carriage_returns(tmp_path):
     import os
     import threading
 
-    from trainguard.launch.logs import MAX_LINE, RankLog, pump
+    from trainguard.spawn.logs import MAX_LINE, RankLog, pump
 
     r, w = os.pipe()
     dest, console = RankLog(), io.StringIO()

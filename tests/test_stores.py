@@ -7,7 +7,14 @@ import psutil
 import pytest
 from tgtest import EXAMPLE, wait_event
 
-from trainguard.stores import JobKey, bound_store, can_connect, is_loopback, reaches_loopback, route_source
+from trainguard.cluster.stores import (
+    JobKey,
+    bound_store,
+    can_connect,
+    is_loopback,
+    reaches_loopback,
+    route_source,
+)
 
 
 def test_a_bound_store_listens_on_its_address_only():

@@ -130,8 +130,8 @@ def test_one_verdict_per_incident_across_nodes(tmp_path):
     from torch.distributed import TCPStore
 
     from trainguard.events import EventBus, EventStore
-    from trainguard.launch.monitor import MonitorContext, StepTracker, WorkerInfo
-    from trainguard.launch.straggler import StragglerMonitor
+    from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
+    from trainguard.monitors.straggler import StragglerMonitor
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     db = EventStore(tmp_path)

@@ -206,7 +206,7 @@ def test_rendezvous_base_store_is_DynamicRendezvousHandler__store():
 
 
 def test_shared_store_server_is_DynamicRendezvousHandler__create_tcp_store_server():
-    from trainguard.stores import bound_store
+    from trainguard.cluster.stores import bound_store
 
     h = handler()
     made = []

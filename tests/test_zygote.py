@@ -13,10 +13,10 @@ import psutil
 import pytest
 from tgtest import EXAMPLE, alive, events, processes_of, rank_log, wait_event, wait_for, wait_log
 
-from trainguard.launch import zygote as zygote_mod
-from trainguard.launch.pool import WorkerPool
-from trainguard.launch.profiling import sweep_rings
-from trainguard.launch.zygote import Zygote
+from trainguard.monitors.profiling.monitor import sweep_rings
+from trainguard.spawn import zygote as zygote_mod
+from trainguard.spawn.pool import WorkerPool
+from trainguard.spawn.zygote import Zygote
 from trainguard.worker import ring
 
 
@@ -35,7 +35,7 @@ def test_a_thread_in_the_zygote_makes_it_refuse_to_fork():
     # Forking a process with a second thread can leave a lock held forever in the child: refuse.
     code = (
         "import threading, time\n"
-        "from trainguard.launch import zygote_server as z\n"
+        "from trainguard.spawn import zygote_server as z\n"
         "ev = threading.Event()\n"
         "print(z.prepare(lambda: threading.Thread(target=ev.wait, daemon=True).start()))\n"
         "ev.set()\n"

@@ -10,11 +10,11 @@ from trainguard.exitcodes import EXIT_USAGE
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and main(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("trainguard.launch.cli", "launch a guarded job (torchrun's flags plus trainguard's)"),
+    "run": ("trainguard.agent.cli", "launch a guarded job (torchrun's flags plus trainguard's)"),
     "events": ("trainguard.events.cli", "show a run's events (table, --json, --follow)"),
     "check": ("trainguard.checks.cli", "pre-flight checks of this node (seed item names and thresholds)"),
     "nodecheck": ("trainguard.checks.nodecheck_cli", "GEMM + collective health check in paired groups"),
-    "profile": ("trainguard.launch.profile_cli", "switch lightweight profiling on/off at run time"),
+    "profile": ("trainguard.monitors.profiling.cli", "switch lightweight profiling on/off at run time"),
     "diagnose": ("trainguard.diagnose.cli", "find the first failure and root cause in rank logs"),
     "slowdown": ("trainguard.diagnose.slowdown_cli", "warn when training slows down, from its logs"),
     "status": ("trainguard.view.status_cli", "live view of a run: ranks, steps, restarts, faults (--once for scripts)"),
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if name != "run":
         return _command(name, rest)
-    from trainguard.launch import zygote
+    from trainguard.spawn import zygote
 
     zygote.start_early(rest)  # its import of torch runs beside the agent's own imports
     try:

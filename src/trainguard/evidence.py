@@ -2,14 +2,14 @@
 
 Evidence is plain data (frozen dataclasses, no I/O, nothing decided). Who produces what:
 
-- ``RankFailure``: the agent, for each worker that failed (launch/failures.py).
+- ``RankFailure``: the agent, for each worker that failed (spawn/failures.py).
 - ``Diagnosis``: the diagnosis monitor, from the failed attempt's logs, when workers fail.
 - ``HardwareReport``: the checks monitor's hardware check right after workers fail.
 - ``CheckOutcome``: the checks monitor before workers start (pre-check, node check), agreed by all
   nodes.
 - ``HangEvidence``, ``StragglerEvidence``, ``HardwareFault``: monitors' ``poll`` while workers run.
-- ``NodeLost``: the liveness monitor (launch/liveness.py), when another node stops heartbeating.
-- ``PeerStop``, ``PeerLeft``: another node's agent, through the rendezvous store (launch/peers.py).
+- ``NodeLost``: the liveness monitor (monitors/liveness.py), when another node stops heartbeating.
+- ``PeerStop``, ``PeerLeft``: another node's agent, through the rendezvous store (cluster/peers.py).
 
 Each one goes to the matching ``decide_*`` function of ``trainguard.policy``.
 """

@@ -8,8 +8,8 @@ without it. The agent's overrides of SimpleElasticAgent's abstract methods (``_r
 torch elastic's documented extension points and stay in those classes.
 
 Replaced by public paths (no longer used): ``torch.distributed.launcher.api._get_addr_and_port``
-(launch/api.py reads the static endpoint with ``parse_rendezvous_endpoint``) and
-``multiprocessing.api._terminate_process_handler`` (launch/api.py raises the public
+(agent/launch.py reads the static endpoint with ``parse_rendezvous_endpoint``) and
+``multiprocessing.api._terminate_process_handler`` (agent/launch.py raises the public
 ``SignalException`` itself); ``agent._worker_group`` (``get_worker_group()``).
 
 Nothing is imported at module level: workers import this module too, and must not pay for it.

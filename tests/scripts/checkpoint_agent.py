@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 
 from trainguard.events import EventBus, EventStore
-from trainguard.launch.checkpoint_monitor import CheckpointMonitor
-from trainguard.launch.monitor import MonitorContext, StepTracker
+from trainguard.monitors.api import MonitorContext, StepTracker
+from trainguard.monitors.checkpoint import CheckpointMonitor
 
 
 def main() -> None:

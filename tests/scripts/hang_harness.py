@@ -24,8 +24,8 @@ from trainguard.events import EventBus
 from trainguard.events.model import Event
 from trainguard.events.store import EventStore
 from trainguard.evidence import HangEvidence
-from trainguard.launch.hang import HangMonitor
-from trainguard.launch.monitor import MonitorContext, StepSample, StepTracker, WorkerInfo
+from trainguard.monitors.api import MonitorContext, StepSample, StepTracker, WorkerInfo
+from trainguard.monitors.hang.monitor import HangMonitor
 from trainguard.policy import Action, Decision, decide_on_hang
 
 HANG_KINDS = ["hang_suspected", "hang_detected", "hang_cleared"]

@@ -2,7 +2,7 @@
 ``load_latest`` finds the newest state every rank can load (memory first, then verified disk).
 
 Under ``trainguard run`` the agent owns the shm directory and persists snapshots (see
-``trainguard.launch.checkpoint_monitor``). Without an agent (plain python / torchrun) the process
+``trainguard.monitors.checkpoint``). Without an agent (plain python / torchrun) the process
 runs the same persister on a thread of its own ("local mode"): saves still return at memory speed,
 but a snapshot survives the process only once it is on disk.
 

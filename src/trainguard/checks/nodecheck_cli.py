@@ -23,9 +23,9 @@ from typing import Any
 
 from trainguard.checks.bench import CHAOS_ENV, parse_chaos
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
+from trainguard.cluster.stores import bound_store
 from trainguard.detect.nodecheck import Verdict
 from trainguard.options import given, non_negative_int, port, positive, positive_int
-from trainguard.stores import bound_store
 
 EXIT_FAULTY, EXIT_STRAGGLER = 1, 3
 

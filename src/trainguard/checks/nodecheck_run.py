@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.checks.bench import READY_LINE, RESULT_PREFIX
+from trainguard.cluster.stores import address_toward, bound_store
 from trainguard.detect.nodecheck import (
     Group,
     TestResult,
@@ -35,7 +36,6 @@ from trainguard.detect.nodecheck import (
     tested_pairs,
     verdict,
 )
-from trainguard.stores import address_toward, bound_store
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05

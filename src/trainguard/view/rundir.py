@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainguard.events.model import Event
 from trainguard.events.store import RunEvents, event_dbs
-from trainguard.launch.profile_files import PROFILING_DIR
+from trainguard.monitors.profiling.files import PROFILING_DIR
 
 HANG_GLOB = "hang-*.txt"
 
@@ -81,7 +81,7 @@ def read_events(run_dir: Path) -> list[Event]:
 
 
 def parse_span(line: str) -> Span | None:
-    """One profiling record line (see launch/profiling.py), None when it is not one."""
+    """One profiling record line (see monitors/profiling/monitor.py), None when it is not one."""
     try:
         d = json.loads(line)
         return Span(int(d["rank"]), str(d["kind"]), str(d.get("name") or d["kind"]), int(d["step"]),

@@ -50,7 +50,7 @@ KIND_NAMES = {
 FLAG_BASIC = 1
 FLAG_COMM = 2
 # Not a span switch: `trainguard chaos hang` holds the rank before its next collective while set
-# (worker/hooks.py checks it in the collective wrappers; the agent sets it, launch/profiling.py).
+# (worker/hooks.py checks it in the collective wrappers; the agent sets it, monitors/profiling/monitor.py).
 FLAG_HOLD = 1 << 8
 KIND_FLAG = {
     STEP: FLAG_BASIC,

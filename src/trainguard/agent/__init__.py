@@ -1,0 +1,1 @@
+"""The node's agent: torch elastic's LocalElasticAgent with trainguard's monitors and policy, and its launch."""

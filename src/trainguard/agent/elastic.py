@@ -1,0 +1,523 @@
+"""trainguard's agent: torch elastic's LocalElasticAgent plus monitors, policy and events.
+
+What it changes, each through the agent's documented extension points:
+- ``_rendezvous``: a fresh TCPStore for the workers of every round. torch's agent reuses one store
+  across restarts, so restarted gloo ranks read the dead ranks' old addresses (pytorch#135712).
+- ``_initialize_workers``: before workers start, the monitors' pre-start outcome goes to the policy.
+- ``_start_workers``: workers come from pre-started processes with torch already imported, and
+  their output is logged per rank with timestamps.
+- ``_monitor_workers``: monitors' evidence (hang, straggler, hardware) and worker failures go to
+  the policy (``trainguard.policy``); ``carry_out`` does what it decided: continue, restart,
+  exclude this node, or stop the job everywhere.
+
+Failure collection and ordering live in spawn/failures.py, messages to the other agents in
+cluster/peers.py, private torch internals in trainguard/torch_compat.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.utils import macros
+
+from trainguard import policy, stopsignal, torch_compat
+from trainguard.cluster import runs
+from trainguard.cluster.peers import Peers
+from trainguard.cluster.stores import JobKey, bound_store, can_connect
+from trainguard.events import EventBus, Severity
+from trainguard.evidence import RankFailure
+from trainguard.monitors.api import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
+from trainguard.policy import Action, Decision, PolicySettings
+from trainguard.spawn import failures
+from trainguard.spawn.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
+from trainguard.spawn.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the agent's own signal
+
+WORKER_STORE_KEY = "trainguard/worker_store"
+LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
+REACH_TIMEOUT_S = 10.0  # a node that cannot open a connection to the workers' store in this long cannot train
+
+
+class NodesUnreachable(Exception):
+    """This node cannot reach the address another node gave its workers: the job cannot train."""
+
+
+class NodeExcluded(Exception):
+    """This node leaves the job (faulty or straggler); an elastic job goes on without it."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.exit_message or decision.reason)
+        self.decision = decision
+
+
+class JobStopped(Exception):
+    """The policy stopped the job before workers could start."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+
+
+_SEVERITY = {Action.CONTINUE: Severity.INFO, Action.RERENDEZVOUS: Severity.INFO, Action.RESTART: Severity.WARNING}
+
+
+class TrainguardAgent(LocalElasticAgent):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        run_dir: Path,
+        bus: EventBus,
+        monitors: list[Monitor],
+        pool: WorkerPool,
+        target: Target,
+        policy_settings: PolicySettings,
+        rdzv_backend: str = "",
+        advertise_addr: str = "127.0.0.1",
+        job_key: JobKey | None = None,
+        tee_ranks: set[int] | None = None,
+        exit_barrier_timeout: float = 300,
+        stop_timeout: int = 15,
+    ) -> None:
+        self.logs = RunDirLogsSpecs(run_dir)
+        super().__init__(spec, self.logs, exit_barrier_timeout=exit_barrier_timeout)
+        self.run_dir = run_dir
+        self.bus = bus
+        self.monitors = MonitorSet(monitors, bus)
+        self.pool = pool
+        self.target = target
+        self.policy_settings = policy_settings
+        self.rdzv_backend = rdzv_backend
+        self.tee_ranks = tee_ranks
+        self.stop_timeout = stop_timeout
+        self.advertise_addr = advertise_addr
+        self.job_key = job_key or JobKey.for_job(spec.rdzv_handler.get_run_id(), single_node=True)
+        self.peers = Peers(bus.node, self.job_key, on_rejected=self._rejected_write)
+        # torch's per-round shared store (unused by our workers) would listen on every interface
+        torch_compat.bind_rendezvous_shared_store(spec.rdzv_handler, lambda addr, port: bound_store(self.advertise_addr, port))
+        torch_compat.cheap_rendezvous_records()  # a restart's rendezvous round in ms, not tens of ms
+        self.steps = StepTracker()
+        self.attempt = -1  # every (re)start, membership changes included; numbered across the run dir's runs
+        self.run_info: runs.RunInfo | None = None  # this run of the run dir (see cluster/runs.py)
+        self.ctx: MonitorContext | None = None
+        self.procs: TrainguardPContext | None = None
+        self.restart_reason = "worker failure"
+        self.new_round = False  # the policy decided RERENDEZVOUS: the coming restart uses no budget
+        self.final_failures: dict[int, RankFailure] = {}
+        self.stop_decision: Decision | None = None
+        self._worker_store: Any = None
+        self._last_call_s: float | None = None  # the user's last call while a shorter one is set
+        self._warmed = False
+
+    # ---- carrying out decisions ---------------------------------------------------------------
+    def carry_out(self, d: Decision, *, before_start: bool = False, made_here: bool = True) -> None:
+        """Do what the policy decided, after recording it (``policy_decision``) when this node
+        decided it (a peer's decision was recorded where it was made).
+
+        CONTINUE: nothing. RESTART: the caller reports the group failed and torch elastic restarts
+        it (using the budget). RERENDEZVOUS: before start, the caller rendezvouses again; while
+        running (a peer left), the restart that follows does not use the budget. EXCLUDE_NODE: tell
+        the other agents, leave the rendezvous, raise NodeExcluded. STOP_JOB: before start, raise
+        JobStopped; while running, no restarts are left, and the other agents are told to stop."""
+        if made_here:
+            self.record(d)
+        if d.action == Action.CONTINUE:
+            return
+        if d.action == Action.EXCLUDE_NODE:
+            # Tell the others first: their workers fail as soon as ours are stopped, and that
+            # failure must read as a membership change, not spend their restart budget.
+            wg = self.get_worker_group()
+            self.peers.announce_leaving(wg.store)
+            self.peers.leave_rendezvous(wg.spec.rdzv_handler)
+            raise NodeExcluded(d)
+        if before_start:
+            if d.action == Action.STOP_JOB:
+                raise JobStopped(d)
+            return
+        self.restart_reason = d.reason
+        if d.action == Action.STOP_JOB:
+            self.stop_decision = d
+            torch_compat.set_remaining_restarts(self, 0)
+            if made_here:
+                wg = self.get_worker_group()
+                self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, d.reason)
+        elif d.action == Action.RERENDEZVOUS:  # a membership change does not use the restart budget
+            torch_compat.set_remaining_restarts(self, torch_compat.remaining_restarts(self) + 1)
+            self.new_round = True
+            if made_here and d.source == "node_lost":  # the other survivors go along without a restart
+                for node in d.evidence.get("nodes", {}):
+                    self.peers.announce_leaving(self.get_worker_group().store, node)
+            self._reform_without(d.evidence.get("rdzv_nodes", []))
+
+    def _reform_without(self, lost: list[str]) -> None:
+        """Make the next round form at once: drop vanished nodes from the rendezvous now (torch
+        would wait for their keep-alive to expire) and wait only LAST_CALL_AFTER_CHANGE_S for nodes
+        beyond --nnodes MIN (torch's default last call is 30 s) in that round."""
+        handler = self.get_worker_group().spec.rdzv_handler
+        for node in lost:
+            try:
+                torch_compat.expire_rendezvous_node(handler, node)
+            except Exception as exc:  # torch's keep-alive timeout drops it later
+                log.warning("could not drop node %s from the rendezvous: %s", node, exc)
+        before = torch_compat.set_last_call(handler, LAST_CALL_AFTER_CHANGE_S)
+        if self._last_call_s is None:
+            self._last_call_s = before
+
+    def record(self, d: Decision) -> None:
+        self.bus.emit(
+            "policy_decision",
+            f"{d.action.value}: {d.reason}",
+            severity=_SEVERITY.get(d.action, Severity.ERROR),
+            rank=d.rank,
+            evidence={"action": d.action.value, "reason": d.reason, "source": d.source, **d.evidence},
+        )
+
+    # ---- rendezvous -------------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
+        if self.run_info is None:  # the first join: torch's skew between nodes joining at once
+            super()._rendezvous(worker_group)
+        else:
+            with torch_compat.first_round_delay_skipped():
+                super()._rendezvous(worker_group)
+        self._join_run(worker_group)
+        if self._last_call_s is not None:  # a round after a membership change has formed: back to the user's wait
+            torch_compat.set_last_call(worker_group.spec.rdzv_handler, self._last_call_s)
+            self._last_call_s = None
+        if worker_group.spec.rdzv_handler.use_agent_store:
+            self._fresh_worker_store(worker_group)
+
+    def _join_run(self, wg: WorkerGroup) -> None:
+        """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
+        first = self.run_info is None
+        base = torch_compat.rendezvous_base_store(wg.spec.rdzv_handler, wg.store)
+        self.run_info = runs.agree(base, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
+        if first:
+            self.attempt = self.run_info.first_attempt - 1  # _before_start counts the first attempt
+            log.info("run %s: attempts from %d (logs/attempt-%d)", self.run_info.run_id, self.run_info.first_attempt,
+                     self.run_info.first_attempt)
+
+    @property
+    def restarts_this_run(self) -> int:
+        """Attempts of this run before the current one (what a fresh run dir numbers its attempts)."""
+        return self.attempt - (self.run_info.first_attempt if self.run_info else 0)
+
+    def _fresh_worker_store(self, wg: WorkerGroup) -> None:
+        """Give this round's workers a store no earlier round has written to, listening on the
+        address the other nodes reach this one through (never every interface), and check that
+        this node reaches it: nodes that cannot reach each other fail now, with their addresses
+        named, instead of waiting in init_process_group."""
+        store = wg.store
+        assert store is not None
+        if wg.group_rank == 0:
+            old, self._worker_store = self._worker_store, None
+            del old  # stops the previous round's server
+            self._worker_store = bound_store(self.advertise_addr)
+            where = f"{self.advertise_addr}:{self._worker_store.port}"
+            store.set(WORKER_STORE_KEY, self.job_key.sign(WORKER_STORE_KEY, where))
+        raw = store.get(WORKER_STORE_KEY)
+        where = self.job_key.open(WORKER_STORE_KEY, raw)
+        if where is None:
+            self._rejected_write(WORKER_STORE_KEY, raw.decode(errors="replace")[:200])
+            raise NodesUnreachable("the workers' store address in the rendezvous store is not signed by this job")
+        addr, _, port = where.rpartition(":")
+        wg.master_addr, wg.master_port = addr, int(port)
+        if wg.group_rank != 0:
+            why = can_connect(addr, int(port), REACH_TIMEOUT_S)
+            if why is not None:
+                msg = (
+                    f"node {self.bus.node} cannot reach the workers' store at {where} on node rank 0 ({why}): "
+                    f"the nodes cannot reach each other at these addresses; give each node "
+                    f"--local-addr with an address the others reach"
+                )
+                self.peers.stop_everywhere(store, wg.group_world_size or 1, msg)
+                raise NodesUnreachable(msg)
+
+    def _rejected_write(self, key: str, value: str) -> None:
+        self.bus.emit(
+            "store_write_rejected",
+            f"ignored {key} in the rendezvous store: not signed by an agent of this job",
+            severity=Severity.WARNING,
+            evidence={"key": key, "value": value},
+        )
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        while True:
+            self._rendezvous(worker_group)
+            decision = self._before_start(worker_group)
+            if decision is None:
+                break
+            self.carry_out(decision, before_start=True)
+            if decision.action != Action.RERENDEZVOUS:
+                break
+        worker_ids = self._start_workers(worker_group)
+        for local_rank, w_id in worker_ids.items():
+            worker_group.workers[local_rank].id = w_id
+        worker_group.state = WorkerState.HEALTHY
+
+    # ---- starting workers -------------------------------------------------------------------
+    def _context(self, wg: WorkerGroup, workers: list[WorkerInfo]) -> MonitorContext:
+        return MonitorContext(
+            run_dir=self.run_dir,
+            node=self.bus.node,
+            node_rank=wg.group_rank or 0,
+            nnodes=wg.group_world_size or 1,
+            nproc_per_node=wg.spec.local_world_size,
+            world_size=wg.workers[0].world_size if wg.workers else 0,
+            restart_count=self.attempt,
+            workers=workers,
+            events=self.bus,
+            steps=self.steps,
+            store=wg.store,
+            rdzv_backend=self.rdzv_backend,
+            addr=self.advertise_addr,
+            rdzv_node=torch_compat.rendezvous_node(wg.spec.rdzv_handler) or "",
+        )
+
+    def _before_start(self, wg: WorkerGroup) -> Decision | None:
+        """The first pre-start outcome the policy acts on (None: start the workers)."""
+        self.attempt += 1
+        ctx = self._context(wg, [])
+        nnodes = wg.group_world_size or 1
+        for outcome in self.monitors.each("on_before_start", ctx):
+            decision = policy.decide_before_start(
+                outcome,
+                ctx.node_rank,
+                nnodes,
+                self.policy_settings.min_nodes(nnodes),
+                exclude_stragglers=self.policy_settings.node_check_exclude_straggler,
+            )
+            if decision is not None:
+                return decision
+        return None
+
+    def _worker_env(self, wg: WorkerGroup, worker, restart_count: int) -> dict[str, str]:
+        spec = wg.spec
+        env = {
+            "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(wg.group_rank),
+            "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(wg.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": wg.master_addr,
+            "MASTER_PORT": str(wg.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+            "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TRAINGUARD_RUN_DIR": str(self.run_dir),
+            "TRAINGUARD_RUN_ID": self.run_info.run_id if self.run_info else "",
+            "TRAINGUARD_ATTEMPT": str(self.attempt),  # logs/attempt-<n>: numbered across the run dir's runs
+            "TRAINGUARD_RESTART_COUNT": str(self.restarts_this_run),  # 0 on every run's first attempt
+            "TRAINGUARD_NODE": self.bus.node,
+        }
+        torch_compat.set_local_rank_env(self, env, worker.local_rank, spec)
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        env.update(self.monitors.worker_env(self.run_dir))
+        return env
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        spec = worker_group.spec
+        restart_count = spec.max_restarts - torch_compat.remaining_restarts(self)
+        envs, args = {}, {}
+        for worker in worker_group.workers:
+            envs[worker.local_rank] = self._worker_env(worker_group, worker, restart_count)
+            args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
+        self.procs = TrainguardPContext(
+            name=spec.role,
+            target=self.target,
+            args=args,
+            envs=envs,
+            logs_specs=self.logs,
+            pool=self.pool,
+            tee_ranks=self.tee_ranks,
+        )
+        torch_compat.set_process_context(self, self.procs)  # torch's monitor and shutdown use it
+        self.procs.start()
+        pids = self.procs.pids()
+        workers = [WorkerInfo(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers]
+        self.ctx = self._context(worker_group, workers)
+        self.steps.clear()
+        self.bus.emit(
+            "job_started",
+            f"attempt {self.attempt}: {len(workers)} worker(s) started on {self.bus.node} "
+            f"(node {worker_group.group_rank}/{worker_group.group_world_size}, world size {worker_group.workers[0].world_size})",
+            evidence={
+                "attempt": self.attempt,
+                "run_id": self.run_info.run_id if self.run_info else None,
+                "first_attempt_of_run": self.run_info.first_attempt if self.run_info else 0,
+                "restart_count": restart_count,
+                "max_restarts": spec.max_restarts,
+                "pids": {str(w.global_rank): w.pid for w in workers},
+                "group_rank": worker_group.group_rank,
+                "group_world_size": worker_group.group_world_size,
+                "master": f"{worker_group.master_addr}:{worker_group.master_port}",
+                "logs": str(self.run_dir / "logs" / f"attempt-{self.attempt}"),
+            },
+        )
+        self.monitors.notify("on_workers_started", self.ctx)
+        if not self._warmed:  # while the workers start, not on the first failure's way to a restart
+            self._warmed = True
+            threading.Thread(target=failures.warm, name="tg-warm", daemon=True).start()
+        return pids
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        if self.ctx is not None:
+            self.monitors.notify("on_workers_stopped", self.ctx)
+        self._shutdown(timeout=self.stop_timeout)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        restart_count = worker_group.spec.max_restarts - torch_compat.remaining_restarts(self)
+        # elastic restarts healthy groups for new rounds; the policy's RERENDEZVOUS (a node lost, a
+        # peer that moved on) comes as a failed group whose restart it gave back
+        membership = worker_group.state == WorkerState.HEALTHY or self.new_round
+        reason = ("another node restarted or joined: new rendezvous round"
+                  if worker_group.state == WorkerState.HEALTHY else self.restart_reason)
+        what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
+        self.bus.emit(
+            "restart",
+            f"restarting workers ({what}): {reason}",
+            severity=Severity.WARNING,
+            evidence={
+                "restart_count": restart_count,
+                "max_restarts": worker_group.spec.max_restarts,
+                "reason": reason,
+                "membership_change": membership,
+            },
+        )
+        self.restart_reason = "worker failure"
+        self.new_round = False
+        super()._restart_workers(worker_group)
+
+    # ---- monitoring -------------------------------------------------------------------------
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        stopsignal.raise_pending()  # a stop signal swallowed since the last poll (see stopsignal)
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            return self._poll_monitors(worker_group, result)
+        if result.state == WorkerState.FAILED:
+            return self._on_failure(worker_group, result)
+        if result.state == WorkerState.SUCCEEDED and self.procs is not None and self.procs.exit_crashes:
+            failures.report_exit_crashes(self.bus, self.procs, self.attempt)
+        return result
+
+    def _follow_peers(self, wg: WorkerGroup, force: bool = False) -> Decision | None:
+        """Another agent stopped the job or left it: carry out what that means here."""
+        news = self.peers.news(wg.store, wg.group_world_size or 1, force=force)
+        if news is None:
+            return None
+        decision = policy.decide_on_peer_news(news)
+        self.carry_out(decision, made_here=False)
+        return decision
+
+    def _poll_monitors(self, wg: WorkerGroup, result: RunResult) -> RunResult:
+        if self.ctx is None:
+            return result
+        peer = self._follow_peers(wg)
+        if peer is not None:
+            return RunResult(state=WorkerState.UNHEALTHY if peer.action == Action.RERENDEZVOUS else WorkerState.FAILED)
+        nnodes = wg.group_world_size or 1
+        for evidence in self.monitors.each("poll", self.ctx):
+            try:
+                decision = policy.decide_while_running(evidence, self.policy_settings, nnodes)
+            except Exception:  # no decision is the safe side while the job runs: keep watching
+                log.exception("policy failed on %r", evidence)
+                continue
+            if decision is None:
+                continue
+            self.carry_out(decision)
+            if decision.action != Action.CONTINUE:
+                return RunResult(state=WorkerState.FAILED)
+        return result
+
+    def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
+        fs = failures.order(failures.collect(result, self.procs), failures.early_exits(result, self.procs))
+        failures.report(self.bus, fs, self.attempt)
+        self.final_failures = fs.failures
+        if failures.stopped_by_signal(fs.failures):
+            self._await_own_stop_signal()
+        if self._follow_peers(wg, force=True) is not None:
+            return result
+        found = self.monitors.on_workers_failed(self.ctx, fs.failures) if self.ctx is not None else None
+        try:
+            if found is not None and found.lost is not None:  # another node vanished: not this node's failure
+                nnodes = wg.group_world_size or 1
+                self.carry_out(policy.decide_on_node_lost(found.lost, nnodes, self.policy_settings.min_nodes(nnodes)))
+                return result
+            decision = policy.decide_on_failure(
+                fs.failures,
+                torch_compat.remaining_restarts(self),
+                found.diagnosis if found else None,
+                found.hardware if found else None,
+                found.hang if found else None,
+                new_round_pending=_nodes_waiting(wg) > 0,
+            )
+        except Exception as exc:  # the policy failing must not take the job with it
+            log.exception("policy failed")
+            decision = policy.decide_without_policy(exc)
+        self.carry_out(decision)
+        return result
+
+    def _await_own_stop_signal(self) -> None:
+        """The workers died of SIGTERM (or another stop signal): a scheduler stopping the job
+        signals every process of it in no order, and this agent's copy may come a moment after
+        the workers'. Wait for it (the handler raises SignalException here, and the job is recorded
+        as preempted, its snapshots persisted) before treating the deaths as a failure."""
+        _wait_for_stop_signal(STOP_SIGNAL_GRACE_S)
+        if _scheduler_stops_the_job():
+            # Slurm stopping a step does not always reach every process (srun forcing the step's
+            # end on another node signalled the workers here, never their agent): the scheduler's
+            # own word is the signal, taken the way a delivered one is.
+            log.warning("the workers died of a stop signal and the scheduler is ending the job: stopping as signalled")
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for_stop_signal(STOP_SIGNAL_GRACE_S)
+
+    def close(self) -> None:
+        self.monitors.notify("close")
+        self._worker_store = None
+
+
+def _nodes_waiting(wg: WorkerGroup) -> int:
+    """Nodes waiting in the rendezvous for a new round (0 when the store cannot say)."""
+    try:
+        return wg.spec.rdzv_handler.num_nodes_waiting()
+    except Exception as exc:  # the store host may be what failed: no membership change known
+        log.debug("num_nodes_waiting failed: %s", exc)
+        return 0
+
+
+def _wait_for_stop_signal(seconds: float) -> None:
+    """Give a stop signal ``seconds`` to arrive: its handler raises SignalException in this
+    loop, or the recorded one is raised again should a broad ``except`` have swallowed it."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        stopsignal.raise_pending()
+        time.sleep(0.05)
+
+
+def _scheduler_stops_the_job() -> bool:
+    """Whether the scheduler running this agent is ending its job (Slurm: the job no longer
+    RUNNING: completing, requeued, cancelled, timed out). False outside a scheduler, or when it
+    cannot say."""
+    from trainguard.schedulers import slurm
+
+    job = slurm.detect(os.environ)
+    if job is None:
+        return False
+    state = slurm.job_state(job.job_id)
+    return state is not None and state != "RUNNING"

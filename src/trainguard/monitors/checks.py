@@ -1,0 +1,421 @@
+"""Checks inside `trainguard run`: pre-flight items, the node health check, periodic hardware checks.
+
+- Before workers first start (``on_before_start``, first round of this agent only), the node runs
+  the ``trainguard check`` items and records ``precheck_passed`` / ``precheck_failed``. Every round,
+  all agents publish their pre-check outcome in the rendezvous store and wait for each other's, so
+  they agree on one ``CheckOutcome``; the policy then excludes a failed node ("The node is down.",
+  seed scenarios 1-2) and the others re-rendezvous without it, or stop when the job is not elastic
+  enough to go on.
+- With ``--node-check``, every round the agents run the paired GEMM + collective benchmark
+  (``trainguard.checks.nodecheck_run``) and agree on faulty nodes and stragglers the same way
+  (``nodecheck_result``) — only the nodes without a recent healthy result, or involved in the
+  failure that caused the round, with as many healthy partners; the rest reuse their result
+  (``monitors/nodecheck_reuse.py``, ``--node-check-reuse``).
+- While workers run, a background thread repeats a light hardware check every
+  ``--health-check-interval`` seconds (``hardware_fault``); ``poll`` hands a fault to the policy.
+- When workers fail, ``on_workers_failed`` runs the hardware check at once and returns its
+  ``HardwareReport`` for ``policy.decide_on_failure``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.checks.items import (
+    CheckConfig,
+    HardwareReport,
+    ItemResult,
+    endpoint_host,
+    hardware_check,
+    passed,
+    run_checks,
+)
+from trainguard.checks.nodecheck_cli import add_check_arguments, config_from
+from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker, get_when_set
+from trainguard.detect.nodecheck import Verdict, recheck_nodes
+from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
+from trainguard.monitors.api import Monitor, MonitorContext
+from trainguard.monitors.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
+from trainguard.options import given, non_negative, positive
+from trainguard.spawn.failures import lost_peer
+
+log = logging.getLogger(__name__)
+
+PRECHECK_KEY = "trainguard/precheck"
+NODECHECK_PREFIX = "trainguard/nodecheck"
+
+
+@dataclass(frozen=True)
+class ChecksSettings:
+    """The checks monitor's settings, parsed once from `trainguard run`'s flags."""
+
+    precheck: bool = True
+    node_check: bool = False
+    health_interval_s: float = 300.0  # 0: no periodic hardware check
+    wait_s: float = 120.0  # how long agents wait for each other's pre-check results
+    node_check_reuse_s: float = 600.0  # a node's healthy node-check result stands this long (0: never)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    node: NodeCheckConfig = field(default_factory=NodeCheckConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.precheck or self.node_check or self.health_interval_s > 0
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> ChecksSettings:
+        endpoint = options.rdzv_endpoint or options.master_addr
+        check = CheckConfig(
+            endpoints=[e for e in (options.rdzv_endpoint, options.master_addr) if e],
+            nproc_per_node=_int_or_none(options.nproc_per_node),
+            require_cuda_toolkit=bool(options.check_require_cuda_toolkit),
+            # master-port stays unchecked (no port given): the rendezvous already listens on its
+            # port and the agent picks a free MASTER_PORT for the workers.
+            skip=set(options.check_skip or []),
+            **given(options, _CHECK_OPTIONS),
+        )
+        node = dataclasses.replace(
+            config_from(options, prefix="node-check-"),
+            peer_host=endpoint_host(str(endpoint)) if endpoint else None,
+            advertise_addr=options.local_addr or None,
+        )
+        fields = given(
+            options,
+            {"health_interval_s": "health_check_interval", "wait_s": "check_wait", "node_check_reuse_s": "node_check_reuse"},
+        )
+        if options.precheck is not None:
+            fields["precheck"] = options.precheck == "on"
+        return cls(node_check=bool(options.node_check), check=check, node=node, **fields)
+
+
+# CheckConfig field -> `trainguard run` option
+_CHECK_OPTIONS = {
+    "root_path": "check_root_dir",
+    "root_min_gb": "check_disk_root_gb",
+    "shm_min_gb": "check_disk_shm_gb",
+    "cache_path": "check_cache_dir",
+    "cache_min_gb": "check_disk_cache_gb",
+    "gpu_mode": "check_gpu",
+    "ulimit_mode": "check_ulimit",
+    "hostfile_globs": "check_hostfile",
+}
+
+
+def add_run_arguments(group: argparse._ArgumentGroup) -> None:
+    g, d, c = group, ChecksSettings(), CheckConfig()
+    g.add_argument("--precheck", choices=["on", "off"], default=None,
+                   help="run the pre-flight check items on each node before workers first start (default on)")  # fmt: skip
+    g.add_argument("--check-disk-root-gb", type=float, default=None,
+                   help=f"disk-size root: free GB needed (> N, default {c.root_min_gb:g})")  # fmt: skip
+    g.add_argument("--check-disk-shm-gb", type=float, default=None,
+                   help=f"disk-size shm: free GB needed in /dev/shm (default {c.shm_min_gb:g})")  # fmt: skip
+    g.add_argument("--check-disk-cache-gb", type=float, default=None,
+                   help=f"disk-size cache: free GB needed (default {c.cache_min_gb:g})")  # fmt: skip
+    g.add_argument("--check-root-dir", default=None, help=f"path checked by disk-size root (default {c.root_path})")
+    g.add_argument("--check-cache-dir", default=None,
+                   help=f"path checked by disk-size cache, skipped if absent (default {c.cache_path})")  # fmt: skip
+    g.add_argument("--check-hostfile", action="append", default=None, metavar="GLOB",
+                   help=f"host files whose names must resolve (default {' '.join(c.hostfile_globs)})")  # fmt: skip
+    g.add_argument("--check-gpu", choices=["auto", "require", "off"], default=None,
+                   help=f"gpu-check: auto checks GPUs when present, require fails without them (default {c.gpu_mode})")  # fmt: skip
+    g.add_argument("--check-ulimit", choices=["auto", "always", "never"], default=None,
+                   help=f"ulimit item: auto = only with an InfiniBand device, seed (default {c.ulimit_mode})")  # fmt: skip
+    g.add_argument(
+        "--check-require-cuda-toolkit", action="store_true", help="fail the pre-check without nvcc"
+    )
+    g.add_argument("--check-skip", action="append", default=[], metavar="ITEM", help="leave out an item")
+    g.add_argument("--check-wait", type=positive, default=None, metavar="SECONDS",
+                   help=f"how long agents wait for each other's pre-check results (default {d.wait_s:g})")  # fmt: skip
+    g.add_argument("--node-check", action="store_true",
+                   help="run the GEMM + collective node check in paired groups before workers start")  # fmt: skip
+    add_check_arguments(g, prefix="node-check-")
+    g.add_argument("--node-check-exclude-straggler", action="store_true",
+                   help="exclude a node the node check names a straggler")  # fmt: skip
+    g.add_argument("--node-check-reuse", type=non_negative, default=None, metavar="SECONDS",
+                   help="reuse a node's healthy node-check result this long while the node is unchanged and "
+                   f"not involved in a failure; only the others are rechecked (0: always all, default {d.node_check_reuse_s:g})")  # fmt: skip
+    g.add_argument("--health-check-interval", type=non_negative, default=None, metavar="SECONDS",
+                   help=f"periodic light hardware check while training (0: off, default {d.health_interval_s:g})")  # fmt: skip
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None  # torchrun also accepts "auto", "gpu", "cpu"
+
+
+def _recheck_note(reasons: dict[int, str], taking_part: list[int], nnodes: int) -> str:
+    """Why the check ran, unless it was the first check of every node."""
+    why = {n: w for n, w in reasons.items() if w and w != NEVER_CHECKED}
+    if not why:
+        return ""
+    said = "; ".join(f"node {n}: {w}" for n, w in sorted(why.items()))
+    return f", nodes {taking_part} of {nnodes} checked — {said}"
+
+
+def _say(line: str) -> None:
+    """Check lines go to the agent's stderr as they are (users grep them for ``item``)."""
+    print(f"[trainguard] {line}", file=sys.stderr, flush=True)
+
+
+class ChecksMonitor(Monitor):
+    name = "checks"
+
+    def __init__(
+        self,
+        settings: ChecksSettings,
+        hardware_check_fn: Callable[[CheckConfig], HardwareReport] | None = None,
+        node_check_env: dict[str, str] | None = None,
+    ) -> None:
+        """``hardware_check_fn`` replaces the GPU health check and ``node_check_env`` adds variables
+        to the benchmark processes' environment (tests use them for fault injection)."""
+        self.settings = settings
+        self._hardware_check = hardware_check_fn or hardware_check
+        self._node_check_env = dict(node_check_env or {})
+        self._precheck: list[ItemResult] | None = None
+        self._started_at = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._fault: HardwareReport | None = None
+        self._fault_reported = False
+        self._ctx: MonitorContext | None = None
+        self._memory = NodeCheckMemory(settings.node_check_reuse_s)
+
+    # ------------------------------------------------------------------------- before start
+
+    def on_before_start(self, ctx: MonitorContext) -> CheckOutcome | None:
+        outcome = self._precheck_round(ctx) if self.settings.precheck else None
+        if outcome is not None and outcome.faulty:
+            return outcome  # no benchmark with nodes that failed their pre-check: they leave first
+        if self.settings.node_check:
+            return self._node_check_round(ctx) or outcome
+        return outcome
+
+    def _run_precheck(self, ctx: MonitorContext) -> list[ItemResult]:
+        """Once per agent (the first round): later rounds reuse the result."""
+        if self._precheck is None:
+            t0 = time.perf_counter()
+            results = run_checks(self.settings.check)
+            elapsed = time.perf_counter() - t0
+            for r in results:
+                _say(r.line())
+            ok = passed(results)
+            failed = [r for r in results if r.failed]
+            ctx.events.emit(
+                "precheck_passed" if ok else "precheck_failed",
+                "pre-check passed"
+                if ok
+                else "pre-check failed: " + "; ".join(f"{r.item}: {r.detail}" for r in failed)[:400],
+                severity="info" if ok else "error",
+                evidence={"items": [r.to_dict() for r in results], "seconds": round(elapsed, 4)},
+            )
+            self._precheck = results
+        return self._precheck
+
+    def _precheck_round(self, ctx: MonitorContext) -> CheckOutcome:
+        results = self._run_precheck(ctx)
+        mine = {
+            "passed": passed(results),
+            "failed": [r.line() for r in results if r.failed],
+            "hardware_fault": any(r.failed and r.item == "gpu-check" for r in results),
+            "node": ctx.node,
+        }
+        outcomes: dict[int, dict[str, Any] | None] = {ctx.node_rank: mine}
+        if ctx.store is not None and ctx.nnodes > 1:
+            ctx.store.set(f"{PRECHECK_KEY}/{ctx.node_rank}", json.dumps(mine))
+            outcomes = self._gather(ctx, PRECHECK_KEY)
+        faulty = {
+            n: ("pre-check failed: " + "; ".join(o["failed"])) if o else "no pre-check result (agent gone?)"
+            for n, o in outcomes.items()
+            if not o or not o.get("passed")
+        }
+        return CheckOutcome(
+            "precheck",
+            faulty,
+            hardware_faulty=frozenset(n for n, o in outcomes.items() if o and o.get("hardware_fault")),
+            names={n: o["node"] for n, o in outcomes.items() if o and o.get("node")},
+            details={"outcomes": {str(k): v for k, v in outcomes.items()}},
+        )
+
+    def _gather(self, ctx: MonitorContext, prefix: str) -> dict[int, dict[str, Any] | None]:
+        """Every node's published value under ``prefix/<node_rank>``; None for nodes that never
+        published within --check-wait seconds."""
+        deadline = time.monotonic() + self.settings.wait_s
+        out: dict[int, dict[str, Any] | None] = {}
+        for n in range(ctx.nnodes):
+            raw = get_when_set(ctx.store, f"{prefix}/{n}", deadline)
+            out[n] = json.loads(raw) if raw is not None else None
+        return out
+
+    def _node_check_round(self, ctx: MonitorContext) -> CheckOutcome | None:
+        if ctx.store is None:
+            log.warning("node check needs the rendezvous store; skipped")
+            return None
+        cfg = dataclasses.replace(self.settings.node, env={**self.settings.node.env, **self._node_check_env})
+        t0 = time.monotonic()
+        current = fingerprint(ctx.node, cfg)
+        reasons = self._gather_reasons(ctx, self._memory.reason_to_check(current))
+        needy = {n for n, why in reasons.items() if why}
+        if not needy:
+            return self._reused(ctx, reasons)
+        everyone = list(range(ctx.nnodes))
+        taking_part = everyone if len(needy) == ctx.nnodes else recheck_nodes(everyone, needy)
+        metrics: list[dict[str, Any]] = []
+        if ctx.node_rank in taking_part:
+            checker = NodeChecker(
+                ctx.store, ctx.node_rank, ctx.nnodes, cfg, prefix=NODECHECK_PREFIX, say=_say, name=ctx.node,
+                nodes=taking_part,
+            )  # fmt: skip
+            verdict = checker.run()
+            metrics = checker.metrics
+            if ctx.node_rank == taking_part[0] and len(taking_part) < ctx.nnodes:
+                ctx.store.set(f"{NODECHECK_PREFIX}/verdict", json.dumps(verdict.to_dict()))
+            me_ok = ctx.node_rank not in verdict.faulty and ctx.node_rank not in verdict.stragglers
+            self._memory.record(me_ok and not verdict.undetermined, current)
+        else:
+            verdict = self._wait_verdict(ctx, taking_part, cfg)
+        elapsed = time.monotonic() - t0
+        bad = bool(verdict.faulty or verdict.undetermined or verdict.stragglers)
+        faulty = [verdict.label(n) for n in sorted(verdict.faulty)]
+        slow = [verdict.label(n) for n in sorted(verdict.stragglers)]
+        summary = (
+            f"faulty: {', '.join(faulty) or 'none'}; stragglers: {', '.join(slow) or 'none'}"
+            + (f"; {verdict.undetermined}" if verdict.undetermined else "")
+            if bad
+            else f"all {ctx.nnodes} node(s) healthy"
+        )
+        for n, why in sorted(verdict.faulty.items()):
+            _say(f"node check: {verdict.label(n)} is faulty: {why}")
+        for n, why in sorted(verdict.stragglers.items()):
+            _say(f"node check: {verdict.label(n)} is a straggler: {why}")
+        ctx.events.emit(
+            "nodecheck_result",
+            f"node check ({elapsed:.1f} s{_recheck_note(reasons, taking_part, ctx.nnodes)}): {summary}",
+            severity="warning" if bad else "info",
+            evidence={
+                "verdict": verdict.to_dict(),
+                "node_rank": ctx.node_rank,
+                "measurements": metrics,
+                "checked": taking_part,
+                "why": {str(n): why for n, why in reasons.items() if why},
+            },
+        )
+        return CheckOutcome(
+            "node_check",
+            dict(verdict.faulty),
+            dict(verdict.stragglers),
+            verdict.undetermined,
+            details={"times_s_per_iteration": verdict.to_dict()["times_s_per_iteration"]},
+        )
+
+    def _gather_reasons(self, ctx: MonitorContext, mine: str) -> dict[int, str]:
+        """Every node's reason to be rechecked ("" = its last result stands); a node that says
+        nothing in time is rechecked."""
+        if ctx.nnodes <= 1:
+            return {ctx.node_rank: mine}
+        ctx.store.set(f"{NODECHECK_PREFIX}/reason/{ctx.node_rank}", json.dumps({"why": mine}))
+        got = self._gather(ctx, f"{NODECHECK_PREFIX}/reason")
+        return {n: (o["why"] if o is not None else "no answer from its agent") for n, o in got.items()}
+
+    def _reused(self, ctx: MonitorContext, reasons: dict[int, str]) -> CheckOutcome:
+        summary = f"all {ctx.nnodes} node(s) have a healthy result from the last {self.settings.node_check_reuse_s:g} s and were not involved in a failure"
+        _say(f"node check reused: {summary}")
+        verdict = Verdict(nodes=list(range(ctx.nnodes)))
+        ctx.events.emit(
+            "nodecheck_result",
+            f"node check reused: {summary}",
+            evidence={"verdict": verdict.to_dict(), "node_rank": ctx.node_rank, "reused": True, "checked": []},
+        )
+        return CheckOutcome("node_check")
+
+    def _wait_verdict(self, ctx: MonitorContext, taking_part: list[int], cfg: NodeCheckConfig) -> Verdict:
+        """The verdict of a recheck this node does not take part in (its first node publishes it)."""
+        _say(f"node check: this node's result stands; waiting for the recheck of nodes {taking_part}")
+        waves = 4  # at most two per round (an odd node), two rounds
+        deadline = time.monotonic() + waves * (cfg.timeout_s + 30.0) + self.settings.wait_s
+        raw = get_when_set(ctx.store, f"{NODECHECK_PREFIX}/verdict", deadline)
+        if raw is None:
+            return Verdict(nodes=taking_part, undetermined=f"no verdict from the recheck of nodes {taking_part}")
+        return Verdict.from_dict(json.loads(raw))
+
+    # ------------------------------------------------------------------------ while running
+
+    def on_workers_started(self, ctx: MonitorContext) -> None:
+        self._ctx = ctx
+        if self.settings.health_interval_s > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._health_loop, name="trainguard-health", daemon=True)
+            self._thread.start()
+
+    def _periodic_config(self) -> CheckConfig:
+        # Only Xid errors logged since this agent started count as new faults.
+        return dataclasses.replace(self.settings.check, xid_window_s=max(1.0, time.time() - self._started_at))
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.settings.health_interval_s):
+            try:
+                report = self._hardware_check(self._periodic_config())
+            except Exception as exc:  # the checker breaking is not a hardware fault
+                log.warning("periodic hardware check failed to run: %s", exc)
+                continue
+            if not report.healthy:
+                with self._lock:
+                    if self._fault is None:
+                        self._fault = report
+                ctx = self._ctx
+                if ctx is not None:
+                    ctx.events.emit(
+                        "hardware_fault",
+                        "periodic hardware check: " + "; ".join(report.faults)[:400],
+                        severity="critical",
+                        evidence=report.to_dict(),
+                    )
+
+    def poll(self, ctx: MonitorContext) -> HardwareFault | None:
+        with self._lock:
+            if self._fault is None or self._fault_reported:
+                return None
+            self._fault_reported = True
+            faults = list(self._fault.faults)
+        self._memory.involve("a periodic hardware check found a fault")
+        return HardwareFault(faults, ctx.node, ctx.node_rank)
+
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> HardwareReport | None:
+        own = sorted(r for r, f in failures.items() if not f.collateral and not lost_peer(f))
+        if own:  # its workers failed of their own, not of a lost peer: recheck it before going on
+            self._memory.involve(f"its rank(s) {own} failed")
+        try:
+            report = self._hardware_check(self._periodic_config())
+        except Exception as exc:
+            log.warning("hardware check after the failure could not run: %s", exc)
+            return None
+        ctx.events.emit(
+            "hardware_check",
+            "hardware healthy after the worker failure"
+            if report.healthy
+            else "hardware fault after the worker failure: " + "; ".join(report.faults)[:400],
+            severity="info" if report.healthy else "critical",
+            evidence=report.to_dict(),
+        )
+        if not report.healthy:
+            self._memory.involve("the hardware check after the failure found a fault")
+        return report
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def create(options: argparse.Namespace) -> Monitor | None:
+    settings = ChecksSettings.from_options(options)
+    return ChecksMonitor(settings) if settings.enabled else None

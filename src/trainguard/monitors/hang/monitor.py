@@ -1,0 +1,778 @@
+"""Hang monitor: judges stalled steps by each rank's progress, names the culprit rank and its stack.
+
+It runs on its own thread (``poll`` only hands over the evidence): every ``--hang-period`` it reads
+the I/O, CPU and state of every worker and its children (probes.proc), GPU utilisation through
+NVML when there is one, and the step samples the profiling monitor puts into ``ctx.steps``. The
+seed's rule (detect.hang) watches I/O and utilisation. When steps stall (no step for the learned
+threshold, or the first step of a later attempt past its learned allowance), py-spy samples every
+rank's stack every ``stack_every`` seconds; detect.progress judges each rank's progress over the
+window and the stall: ``hang_suspected`` (warning: the candidate is busy and progressing; the watch
+goes on, ``hang_cleared`` when steps resume) or ``hang_detected`` (no progress, or no step for
+``--hang-detect-time``). Both are recorded with the evidence and a readable report in the run dir
+and handed to the policy as ``HangEvidence`` (``policy.decide_on_hang`` decides). On several
+nodes the job gets one verdict per incident, recorded by one agent with every node's view and
+acted on by all (monitors/hang/exchange.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
+from trainguard.detect.hang import (
+    Activity,
+    Assessment,
+    HangConfig,
+    HangDetector,
+    busy_limit,
+    first_step_allowance,
+    phase_allowance,
+)
+from trainguard.detect.progress import (
+    Limits,
+    Progress,
+    RankSamples,
+    StallVerdict,
+    decide_stall,
+    judge_progress,
+    phase_of,
+)
+from trainguard.evidence import HangEvidence, RankFailure
+from trainguard.monitors.api import Monitor, MonitorContext
+from trainguard.monitors.hang.exchange import HangExchange, NodeViews
+from trainguard.monitors.hang.report import HangReport, write_report
+from trainguard.options import SettingsError, given, number
+from trainguard.probes import nvml, proc, stacks
+
+log = logging.getLogger(__name__)
+
+STACK_TIMEOUT = 10.0
+FOLLOW_STALLED_S = 0.5  # how often the agent's loop looks for the job's verdict while steps stall here
+FOLLOW_IDLE_S = 2.0  # ... and otherwise (a node that saw no stall still acts on the job's verdict)
+FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
+# Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
+DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
+
+
+def add_run_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--hang-detect-time",
+        type=number("minutes"),
+        default=None,
+        metavar="MINUTES",
+        help="seed rule: a job whose workers did no I/O for this long and whose utilisation did not change is "
+        f"hung (default: $TRAINGUARD_HANG_DETECT_TIME, $MA_HANG_DETECT_TIME, or {HangConfig.detect_time / 60:g}). "
+        "With step samples, hangs are found far sooner (see --hang-step-slack).",
+    )
+    group.add_argument(
+        "--hang-period",
+        type=number("seconds"),
+        default=None,
+        metavar="SECONDS",
+        help=f"how often worker I/O, CPU and utilisation are sampled (default {HangConfig.period:g})",
+    )
+    group.add_argument(
+        "--hang-step-slack",
+        type=number("seconds"),
+        default=None,
+        metavar="SECONDS",
+        help=f"no finished step for SLACK + {HangConfig.step_factor:g} x p99 step time (and no I/O) is a hang "
+        f"(default {HangConfig.step_slack:g})",
+    )
+    group.add_argument("--no-hang-detect", action="store_true", help="switch hang detection off")
+
+
+def _env_minutes() -> float | None:
+    for name in DETECT_TIME_ENV:
+        text = os.environ.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (value > 0 and math.isfinite(value)):
+            raise SettingsError(
+                f"{name}={text!r}: expected minutes > 0, e.g. 30 (or --no-hang-detect to switch hang detection off)"
+            )
+        return value
+    return None
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    """The hang monitor's settings: flags, then environment, then HangConfig's defaults."""
+
+    enabled: bool = True
+    config: HangConfig = field(default_factory=HangConfig)
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> HangSettings:
+        if options.no_hang_detect:
+            return cls(enabled=False)  # the environment is not even read
+        fields = given(options, {"period": "hang_period", "step_slack": "hang_step_slack"})
+        minutes = options.hang_detect_time or _env_minutes()
+        if minutes is not None:
+            fields["detect_time"] = minutes * 60.0
+        return cls(config=dataclasses.replace(HangConfig(), **fields))
+
+
+def create(options: argparse.Namespace) -> Monitor | None:
+    settings = HangSettings.from_options(options)
+    return HangMonitor(settings.config) if settings.enabled else None
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class _Gpu:
+    """Utilisation of the GPUs this job sees (NVML); none without NVML (then each rank's CPU is
+    the series)."""
+
+    def __init__(self) -> None:
+        self.indices = nvml.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), nvml.gpu_ids() or [])
+
+    def read(self) -> list[float] | None:
+        return nvml.utilization(self.indices) if self.indices else None
+
+
+class _History:
+    """The last few /proc samples and py-spy stacks of every rank (bounded), for detect.progress."""
+
+    def __init__(self, cfg: HangConfig) -> None:
+        keep = int(max(cfg.window, 4 * cfg.stack_every) / cfg.period) + 8
+        self.procs: dict[int, deque[proc.ProcSample]] = {}
+        self.stacks: dict[int, deque[tuple[float, tuple[stacks.Frame, ...] | None]]] = {}
+        self.same_since: dict[int, float] = {}  # rank -> when its main-thread stack last changed
+        self._keep = keep
+
+    def add_procs(self, samples: dict[int, proc.ProcSample]) -> None:
+        for r, s in samples.items():
+            self.procs.setdefault(r, deque(maxlen=self._keep)).append(s)
+
+    def add_stacks(self, when: float, views: dict[int, RankView]) -> None:
+        for r, v in views.items():
+            frames = tuple(v.frames) if v.frames else None
+            q = self.stacks.setdefault(r, deque(maxlen=16))
+            prev = next((f for _, f in reversed(q) if f is not None), None)
+            if frames is not None and (prev is None or _sig(frames) != _sig(prev)):
+                self.same_since[r] = when
+            q.append((when, frames))
+
+    def clear_stacks(self) -> None:
+        self.stacks.clear()
+        self.same_since.clear()
+
+    def samples(self, rank: int, now: float, cfg: HangConfig, since: float) -> RankSamples:
+        """The rank's window: ``cfg.window`` seconds (or the last 3 stack samples when they go
+        further back), never before ``since`` (the stall's start: the last step's own log line
+        is no progress of the stall)."""
+        st = list(self.stacks.get(rank, ()))
+        start = now - cfg.window
+        if len(st) >= 3:
+            start = min(start, st[-3][0])
+        start = max(start, since)
+        st = [(t, f) for t, f in st if t >= start - 1e-6]
+        ps = [p for p in self.procs.get(rank, ()) if p.time >= start - 1e-6]
+        return RankSamples(
+            rank,
+            times=[p.time for p in ps],
+            states=[p.state if p.alive else "" for p in ps],
+            cpu=[p.cpu for p in ps],
+            io=[p.io for p in ps],
+            stacks=[f for _, f in st],
+        )
+
+
+def _sig(frames: tuple[stacks.Frame, ...]) -> tuple[tuple[str, str, int], ...]:
+    return tuple((f.name, f.filename, f.line) for f in frames)
+
+
+class _Watch:
+    """One attempt's watch: samples, judges stalls by the ranks' progress. Runs on the monitor's thread."""
+
+    def __init__(self, ctx: MonitorContext, cfg: HangConfig, learned: dict[str, float], gpu: _Gpu | None) -> None:
+        self.ctx = ctx
+        self.cfg = cfg
+        self.learned = learned  # phase kind -> longest healthy pause seen (kept across attempts)
+        self.gpu = gpu
+        self.detector = HangDetector(cfg, start=time.time())
+        self.history = _History(cfg)
+        self.next_stacks = -math.inf
+        self.stall_phases: set[str] = set()  # the phases seen during the current stall
+        self.stall_from = -math.inf  # the last step end the current stall counts from
+        self.suspected: StallVerdict | None = None  # the suspicion in force (recorded once)
+        self.suspect_since: float | None = None  # when the stall first read as a suspicion
+        self.remote_views: dict[int, RankView] = {}  # other nodes' ranks, when they named the culprit
+        self.remote_progress: dict[int, str] = {}
+        self.exchange: HangExchange | None = None  # set on the watch's thread, on several nodes
+        self.stalled = False  # steps stall here (the agent's loop then looks for the job's verdict more often)
+        self.suspect_recorded = False  # this node recorded the suspicion in force (and records its clearing)
+        self.gather_wait = max(10.0, 3 * cfg.period)  # for the other nodes' declarations
+        self.exit_since: float | None = None  # when the workers were first seen shutting down
+        self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
+        self.last_dumps: dict[int, stacks.StackDump] = {}
+        self.last_verdict: CulpritVerdict | None = None
+        self.last_views: dict[int, RankView] = {}
+        self.first_step_seen = False
+        # rank -> the healthy phase its stacks showed during this stall: one sample inside the
+        # user's own evaluation loop body must not lose the evaluation the others showed.
+        self.recent_phase: dict[int, str] = {}
+
+    def round(self, now: float) -> HangEvidence | None:
+        pids = self.ctx.pids()
+        samples = proc.sample_workers(pids, now)
+        if not any(s.alive and s.state not in ("Z", "X") for s in samples.values()):
+            self.learn_first_step()  # a short attempt may end before a round saw its steps
+            return None  # all workers exited: the agent handles that
+        self.history.add_procs(samples)
+        self.detector.observe(
+            now,
+            [Activity(r, s.io, s.cpu, s.state, s.alive) for r, s in samples.items()],
+            self.gpu.read() if self.gpu else None,
+        )
+        steps = {r: self.ctx.steps.recent(r) for r in pids}
+        a = self.detector.assess(now, steps)
+        # Where this attempt has steps, their stall is judged below (its detect-time window carries
+        # each rank's progress); the seed's I/O rule speaks for jobs without steps. Both windows
+        # end together (steps veto the I/O rule), so one rule, not a race, names the verdict.
+        no_steps = a.steps is None or a.steps.last_end == -math.inf
+        if a.hang and no_steps and now >= self.hold_until:
+            self.stalled = True
+            return self._seed_rule(now, a, pids)
+        stats = a.steps
+        if stats is None:
+            return None
+        if stats.last_end == -math.inf:
+            # No step yet in this attempt: judged only once an earlier attempt showed how long its
+            # first step took (compile, warm-up, loading); before that only the seed rule watches.
+            allowed = first_step_allowance(self.learned.get(FIRST_STEP), self.cfg)
+            if allowed is None:
+                return None
+            since, stall, threshold = self.detector.start, now - self.detector.start, allowed
+        else:
+            if not self.first_step_seen:
+                self._learn_first_step(steps)
+            if stats.last_end > self.stall_from:
+                self._steps_resumed(now, stats.last_end)
+            since, stall = stats.last_end, a.stall
+            threshold = stats.threshold if stats.ready else math.inf
+        if stall < min(0.5 * threshold, self.cfg.detect_time):
+            return None
+        self.stalled = True
+        if now >= self.next_stacks:
+            # Stacks from half the threshold on: by the threshold there are several to compare.
+            t0 = time.monotonic()
+            verdict, dumps, views = self._stacks(pids, steps)
+            self.history.add_stacks(time.time(), views)
+            self.last_dumps, self.last_verdict, self.last_views = dumps, verdict, views
+            for r, pos in verdict.positions.items():
+                if phase_of(pos):
+                    self.recent_phase[r] = phase_of(pos)
+            self.next_stacks = now + max(self.cfg.stack_every, 2 * (time.monotonic() - t0))
+        verdict = self.last_verdict
+        if verdict is None or (stall <= threshold and stall < self.cfg.detect_time):
+            return None
+        return self._judge(now, dataclasses.replace(a, stall=stall), verdict, pids, since, threshold)
+
+    def learn_first_step(self) -> None:
+        """Learn the first step from the steps recorded so far, unless a round already did."""
+        if not self.first_step_seen:
+            self._learn_first_step({r: self.ctx.steps.recent(r) for r in self.ctx.pids()})
+
+    def _learn_first_step(self, steps: dict[int, list]) -> None:
+        """The attempt's first step: how long it took from the workers' start (the first-step
+        allowance of later attempts)."""
+        start = self.detector.start
+        ends = [s.end for samples in steps.values() for s in samples if s.end >= start - 1.0]
+        if not ends:
+            return
+        self.first_step_seen = True
+        took = min(ends) - start
+        if took > self.learned.get(FIRST_STEP, 0.0):
+            self.learned[FIRST_STEP] = took
+            log.debug("hang: first step after %.1fs; allowance learned", took)
+
+    def _steps_resumed(self, now: float, last_end: float) -> None:
+        """A step finished: a stall (if any) is over. Learn how long its phase took; clear a suspicion."""
+        if self.stall_from > -math.inf:
+            pause = last_end - self.stall_from
+            for phase in self.stall_phases:
+                if pause > self.learned.get(phase, 0.0):
+                    self.learned[phase] = pause
+                    log.debug("hang: %s pause of %.1fs ended; allowance learned", phase, pause)
+        if self.suspected is not None and self.suspect_recorded:
+            pause = last_end - self.stall_from
+            s = self.suspected
+            self.ctx.events.emit(
+                "hang_cleared",
+                f"hang suspicion cleared: steps resumed after {pause:.1f}s without a step "
+                f"(rank {s.culprit} {s.phase or 'own code'})",
+                severity="info",
+                rank=s.culprit,
+                evidence={"pause_s": round(pause, 2), "phase": s.phase, "culprit": s.culprit,
+                          "attempt": self.ctx.restart_count},  # fmt: skip
+            )
+        self.stall_from, self.stall_phases, self.suspected, self.suspect_since = last_end, set(), None, None
+        self.stalled = self.suspect_recorded = False
+        self.history.clear_stacks()
+        self.recent_phase.clear()
+        self.next_stacks = -math.inf
+
+    def _judge(
+        self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int], since: float, threshold: float
+    ) -> HangEvidence | None:
+        """The verdict on a stall of ``a.stall`` seconds (since ``since``, over ``threshold``)."""
+        cfg = self.cfg
+        verdict = dataclasses.replace(verdict, positions={
+            r: p if phase_of(p) else dataclasses.replace(p, phase=self.recent_phase.get(r, ""))
+            for r, p in verdict.positions.items()
+        })  # fmt: skip
+        progress = {
+            r: judge_progress(self.history.samples(r, now, cfg, since), cfg, waiting=p.waiting)
+            for r, p in verdict.positions.items()
+        }
+        threshold = min(threshold, cfg.detect_time)
+        limits = Limits(
+            threshold=threshold,
+            detect_time=cfg.detect_time,
+            allowance=lambda r, ph: phase_allowance(self.learned.get(ph), threshold, cfg, recognised=bool(ph)),
+            busy_limit=lambda r, ph: busy_limit(self.learned.get(ph), cfg),
+            frozen_for={r: now - t for r, t in self.history.same_since.items()},
+        )
+        sv = decide_stall(verdict, progress, a.stall, limits)
+        self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
+        if self.exchange is not None:
+            self._share(verdict, progress)
+            if sv.state == "detected" and sv.rule == "steps":
+                sv = self._with_other_nodes(verdict, sv)
+        if sv.state != "suspected":
+            self.suspect_since = None
+        elif self.suspected is None:
+            # Recorded once it held for a window: a log line written just before a rank blocked
+            # reads as I/O progress for a moment; the window it leaves decides.
+            self.suspect_since = now if self.suspect_since is None else self.suspect_since
+            if now - self.suspect_since < cfg.window:
+                return None
+            self.suspected = sv
+            self.suspect_recorded = self._claim_suspicion(a)
+            if not self.suspect_recorded:
+                return None  # another node records this incident's suspicion
+            return self._record(now, a, sv, verdict, progress, self._latest_nodes(verdict, progress))
+        if sv.state != "detected":
+            return None
+        if self._moved_on(a, pids):
+            return None  # a step finished while we looked: slow, not hung
+        return self._conclude(now, a, sv, verdict, progress)
+
+    def _seed_rule(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
+        steps = {r: self.ctx.steps.recent(r) for r in pids}
+        verdict, dumps, views = self._stacks(pids, steps)
+        self.last_dumps, self.last_views = dumps, views
+        if self._moved_on(a, pids):
+            return None
+        if verdict.phase == "exit":
+            # Training is over and the processes are shutting down; only a shutdown that itself
+            # lasts detect_time is a hang.
+            self.exit_since = now if self.exit_since is None else self.exit_since
+            if now - self.exit_since < self.cfg.detect_time:
+                self.hold_until = now + max(10.0, 3 * self.cfg.period)
+                return None
+        sv = StallVerdict("detected", verdict.rank, a.rule, f"{verdict.reason}. {a.message}")
+        return self._conclude(now, a, sv, verdict, {})
+
+    def _stacks(
+        self, pids: dict[int, int], steps: dict[int, list]
+    ) -> tuple[CulpritVerdict, dict[int, stacks.StackDump], dict[int, RankView]]:
+        dumps = stacks.dump_all(pids, timeout=STACK_TIMEOUT)
+        views: dict[int, RankView] = {}
+        for rank, d in dumps.items():
+            main = d.main_thread()
+            others = [t.frames for t in d.threads if t is not main]
+            cpu = self.detector.cpu_percent.get(rank, 0.0)
+            busy = bool(main and (main.owns_gil or main.active)) or cpu >= 50.0
+            last = steps.get(rank) or []
+            error = d.error
+            if error is None and not any(t.frames for t in d.threads):
+                error = "no python frames: interpreter finalised (exiting)"
+            views[rank] = RankView(
+                rank=rank,
+                state=d.state,
+                frames=main.frames if main else (),
+                busy=busy,
+                error=error,
+                last_step=last[-1].step if last else None,
+                other_frames=others,
+            )
+        return find_culprit(views, nnodes=self.ctx.nnodes), dumps, views
+
+    # ---- one verdict for the job (monitors/hang/exchange.py) ------------------------------------
+    def _node_views(self, verdict: CulpritVerdict, progress: dict[int, Progress], declared: bool = False) -> NodeViews:
+        return NodeViews.of(self.ctx, self.last_views, verdict, {r: p.kind for r, p in progress.items()}, declared)
+
+    def _share(self, verdict: CulpritVerdict, progress: dict[int, Progress]) -> None:
+        """This node's latest stacks and progress, for the other nodes' judgement."""
+        assert self.exchange is not None
+        try:
+            self.exchange.publish(self._node_views(verdict, progress))
+        except Exception as exc:  # the store going away must not stop the watch
+            log.warning("hang: could not share stacks with the other nodes: %s", exc)
+
+    def _others(self, wait_s: float, declared: bool) -> dict[int, NodeViews]:
+        assert self.exchange is not None
+        try:
+            others = self.exchange.gather(wait_s, declared)
+        except Exception as exc:
+            log.warning("hang: could not read the other nodes' stacks: %s", exc)
+            return {}
+        self.remote_progress = {r: k for nv in others.values() for r, k in nv.progress.items()}
+        return others
+
+    def _with_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> StallVerdict:
+        """A local "no progress" verdict is only final when no rank on another node progresses:
+        the ranks here may all wait for a long evaluation over there. (The other nodes judge the
+        same stall from their own samples and stacks: give their views time to arrive.)"""
+        assert self.exchange is not None
+        try:
+            moving, rank = self.exchange.others_moving(max(5.0, 3 * self.cfg.period))
+        except Exception as exc:  # the store going away must not stop the watch
+            log.warning("hang: could not read the other nodes' progress: %s", exc)
+            moving, rank = 0, None
+        local = verdict.positions
+        culprit_dead = sv.culprit in local and not local[sv.culprit].waiting
+        if moving and not culprit_dead:
+            rank = rank if rank not in local else None
+            who = f"rank {rank}" if rank is not None else "a rank"
+            return StallVerdict("watch", rank, "", f"{who} on another node progresses")
+        return sv
+
+    def _claim_suspicion(self, a: Assessment) -> bool:
+        """Whether this node records the suspicion: the first node to claim the incident (the
+        stall after the job's latest step) does, for the job."""
+        if self.exchange is None:
+            return True
+        last = a.steps.last_step if a.steps else {}
+        try:
+            return self.exchange.claim_suspicion(str(max(last.values())) if last else "start")
+        except Exception as exc:  # recording it here beats losing it
+            log.warning("hang: could not agree with the other nodes on who records the suspicion: %s", exc)
+            return True
+
+    def _latest_nodes(self, verdict: CulpritVerdict, progress: dict[int, Progress]) -> dict[str, dict] | None:
+        """Every node's latest view, without waiting (for a suspicion)."""
+        if self.exchange is None:
+            return None
+        others = self._others(0.0, declared=False)
+        return _by_node([self._node_views(verdict, progress), *others.values()])
+
+    def _conclude(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress]
+    ) -> HangEvidence | None:
+        """This node found a hang. On one node: record it. On several: declare it, and either
+        judge it for the job (the first to claim it) or act on the verdict of the node that did."""
+        ex = self.exchange
+        if ex is None:
+            return self._record(now, a, sv, verdict, progress)
+        mine = self._node_views(verdict, progress, declared=True)
+        wait = 2 * self.gather_wait
+        try:
+            ex.publish(mine)
+            if ex.claim():
+                return self._judge_for_job(now, a, sv, verdict, progress, mine, self.gather_wait)
+            agreed = ex.verdict(wait)
+        except Exception as exc:  # no store: this node's own verdict rather than none
+            log.warning("hang: could not agree on a verdict with the other nodes (%s): recording this node's", exc)
+            return self._record(now, a, sv, verdict, progress)
+        if agreed is not None:
+            return self._adopt(agreed)
+        log.warning("hang: the node that claimed this hang gave no verdict in %.1fs: judging it here", wait)
+        return self._judge_for_job(now, a, sv, verdict, progress, mine, 0.0)
+
+    def _judge_for_job(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        mine: NodeViews, wait_s: float,
+    ) -> HangEvidence | None:  # fmt: skip
+        """The verdict for the whole job from every node's declaration (the latest view of a node
+        that has not declared within ``wait_s``), written once to the store and recorded here
+        unless another node's verdict stands already."""
+        assert self.exchange is not None
+        others = self._others(wait_s, declared=True)
+        self.remote_views = {r: v for nv in others.values() for r, v in nv.views.items()}
+        verdict, sv = self._merge_other_nodes(verdict, sv)
+        kind, message, evidence, found = self._evidence(now, a, sv, verdict, progress, _by_node([mine, *others.values()]))
+        try:
+            stood = self.exchange.offer(found)
+        except Exception as exc:
+            log.warning("hang: could not write the job's verdict (%s): recording it here", exc)
+            stood = found
+        if stood is not found:  # a node that waited for this one judged meanwhile: its verdict stands
+            if found.report:
+                Path(found.report).unlink(missing_ok=True)
+            return self._adopt(stood)
+        self.ctx.events.emit(kind, message, severity="error", rank=found.rank, evidence=evidence)
+        return found
+
+    def _adopt(self, agreed: HangEvidence) -> HangEvidence:
+        log.info("hang: acting on the job's verdict recorded by %s: culprit rank %s", agreed.recorded_by, agreed.rank)
+        return dataclasses.replace(agreed, attempt=self.ctx.restart_count)
+
+    def _merge_other_nodes(self, verdict: CulpritVerdict, sv: StallVerdict) -> tuple[CulpritVerdict, StallVerdict]:
+        """When no local rank is the culprit, name it from every node's stacks."""
+        if verdict.rank is not None or not self.remote_views:
+            return verdict, sv
+        merged = find_culprit({**self.remote_views, **self.last_views}, nnodes=1)
+        if merged.rank is None:
+            return verdict, sv
+        if merged.rank not in self.last_views:
+            merged.reason += f" (from the stacks of all {self.ctx.nnodes} nodes: rank {merged.rank} is on another node)"
+        why = sv.why.replace(verdict.reason, merged.reason, 1) if verdict.reason and verdict.reason in sv.why else merged.reason
+        return merged, dataclasses.replace(sv, culprit=merged.rank, why=why)
+
+    def _moved_on(self, a: Assessment, pids: dict[int, int]) -> bool:
+        later = time.time()
+        samples = proc.sample_workers(pids, later)
+        self.history.add_procs(samples)
+        self.detector.observe(
+            later,
+            [Activity(r, x.io, x.cpu, x.state, x.alive) for r, x in samples.items()],
+            self.gpu.read() if self.gpu else None,
+        )
+        if a.rule == "io+utilisation" and self.detector.last_io_change == later:
+            return True
+        if not any(x.alive and x.state not in ("Z", "X") for x in samples.values()):
+            return True  # every worker has exited meanwhile: the agent takes it from here
+        start = self.detector.start - 1.0  # an earlier attempt's steps are not this one's
+        last_end = max((s.end for r in pids for s in self.ctx.steps.recent(r)[-1:] if s.end >= start), default=-math.inf)
+        return a.steps is not None and last_end > a.steps.last_end
+
+    def _record(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        nodes: dict[str, dict] | None = None,
+    ) -> HangEvidence:
+        """Record ``hang_suspected`` (warning) or ``hang_detected`` (error) with the evidence and the
+        report file; hand the evidence to the policy."""
+        kind, message, evidence, found = self._evidence(now, a, sv, verdict, progress, nodes)
+        severity = "warning" if found.level == "suspected" else "error"
+        self.ctx.events.emit(kind, message, severity=severity, rank=found.rank, evidence=evidence)
+        return found
+
+    def _evidence(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        nodes: dict[str, dict] | None,
+    ) -> tuple[str, str, dict, HangEvidence]:
+        """The event's kind, message and evidence (``nodes``: what each node saw, on several
+        nodes) and the evidence for the policy; writes the report file."""
+        ctx = self.ctx
+        dumps = self.last_dumps
+        level = sv.state
+        rule = sv.rule or "steps"
+        signals = dict(a.signals, progress={str(r): p.to_dict() for r, p in sorted(progress.items())},
+                       limit_s=round(sv.limit, 2), phase=sv.phase)  # fmt: skip
+        shown = dataclasses.replace(a, rule=rule, message=sv.why, signals=signals)
+        report = None
+        try:
+            report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, shown, verdict, dumps,
+                                                          self.remote_views, level, nodes or {}))  # fmt: skip
+        except OSError as exc:  # a full disk must not stop the restart
+            log.error("could not write the hang report: %s", exc)
+        culprit = sv.culprit
+        culprit_dump = dumps.get(culprit) if culprit is not None else None
+        main = culprit_dump.main_thread() if culprit_dump else None
+        who = f"rank {culprit}" if culprit is not None else "no single rank"
+        causes = ", ".join(c["cause"] for c in verdict.causes) if level == "detected" else ""
+        p = progress.get(culprit) if culprit is not None else None
+        progress_kind = p.kind if p else self.remote_progress.get(culprit, "") if culprit is not None else ""
+        reason = verdict.reason if culprit == verdict.rank else sv.why
+        if level == "suspected":
+            message = (f"hang suspected: no step for {a.stall:.0f}s (allowance {sv.limit:.0f}s); candidate {who}: "
+                       f"{sv.why}. Not a hang yet: watching (hang_detected if progress stops, or after "
+                       f"{self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
+        else:
+            message = f"job hung ({rule}): culprit {who}: {sv.why}" + (f". Known causes: {causes}" if causes else "")
+        evidence = {
+            "level": level,
+            "rule": rule,
+            "signals": signals,
+            "culprit": culprit,
+            "reason": reason,
+            "doing": sv.why,
+            "progress": p.to_dict() if p else ({"kind": progress_kind} if progress_kind else None),
+            "candidates": verdict.candidates,
+            "causes": verdict.causes,
+            "stack": [str(f) for f in main.frames] if main else _remote_stack(self.remote_views, culprit),
+            "stack_error": culprit_dump.error if culprit_dump else None,
+            "ranks": {
+                str(r): {
+                    "pid": dumps[r].pid if r in dumps else None,
+                    "state": dumps[r].state if r in dumps else None,
+                    "summary": pos.describe(),
+                    **pos.to_dict(),
+                    **({"progress": progress[r].kind} if r in progress else {}),
+                }
+                for r, pos in sorted(verdict.positions.items())
+            },
+            "report": str(report) if report else None,
+            "attempt": ctx.restart_count,
+            "recorded_by": ctx.node,
+            **({"nodes": nodes} if nodes else {}),
+        }
+        kind = "hang_suspected" if level == "suspected" else "hang_detected"
+        return kind, message, evidence, HangEvidence(
+            culprit, rule, reason, list(verdict.causes) if level == "detected" else [], evidence["report"],
+            ctx.restart_count, level=level, progress=progress_kind, doing=sv.why, recorded_by=ctx.node,
+        )  # fmt: skip
+
+
+def _remote_stack(views: dict[int, RankView], rank: int | None) -> list[str]:
+    view = views.get(rank) if rank is not None else None
+    return [f"{f.name} ({f.filename}:{f.line})" for f in view.frames] if view else []
+
+
+def _by_node(nodes: list[NodeViews]) -> dict[str, dict]:
+    """What each node saw, by node name (node rank order)."""
+    return {nv.node: nv.evidence() for nv in sorted(nodes, key=lambda nv: nv.node_rank)}
+
+
+class HangMonitor(Monitor):
+    name = "hang"
+
+    def __init__(self, cfg: HangConfig) -> None:
+        self.cfg = cfg
+        self._learned: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._evidence: list[HangEvidence] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gpu: _Gpu | None = None
+        self._watch: _Watch | None = None
+        # The job's verdict, looked for from the agent's loop (several nodes): this attempt's
+        # exchange on the agent's own store connection, when it was last read, and whether a
+        # detected hang went to the policy already.
+        self._follower: HangExchange | None = None
+        self._followed_at = -math.inf
+        self._handed = False
+
+    def on_workers_started(self, ctx: MonitorContext) -> None:
+        self._stop_thread()
+        with self._lock:
+            self._evidence = []
+        self._stop = threading.Event()
+        self._watch = watch = _Watch(ctx, self.cfg, self._learned, None)
+        self._follower = HangExchange.for_ctx(ctx, own_client=False)
+        self._followed_at, self._handed = -math.inf, False
+        self._thread = threading.Thread(target=self._run, args=(watch, self._stop), name="trainguard-hang", daemon=True)
+        self._thread.start()
+
+    def _run(self, watch: _Watch, stop: threading.Event) -> None:
+        if self._gpu is None:  # NVML start-up can take a moment: never on the agent's thread
+            self._gpu = _Gpu()
+        watch.gpu = self._gpu
+        try:  # a store connection of the watch's own (it waits on the store at times)
+            watch.exchange = HangExchange.for_ctx(watch.ctx)
+        except Exception as exc:
+            log.warning("hang: no connection to the rendezvous store (%s): judging this node alone", exc)
+        next_at = time.monotonic()
+        while not stop.is_set():
+            try:
+                found = watch.round(time.time())
+            except Exception:  # never let one bad round end the watch
+                log.exception("hang monitor round failed")
+                found = None
+            if found is not None:
+                with self._lock:
+                    if not stop.is_set():
+                        self._evidence.append(found)
+                if found.level == "detected":
+                    return  # one hang per attempt: the policy decides on it
+            # (a suspicion is handed over and the watch goes on)
+            next_at += self.cfg.period
+            if next_at < time.monotonic():  # a slow round (stack dumps): skip, do not catch up
+                next_at = time.monotonic() + self.cfg.period
+            stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def poll(self, ctx: MonitorContext) -> HangEvidence | None:
+        with self._lock:
+            # A detected hang outranks a suspicion handed over in the same poll interval.
+            found = max(self._evidence, key=lambda e: e.level == "detected") if self._evidence else None
+            self._evidence = []
+        if found is None:
+            found = self._follow(ctx)
+        if found is None or found.level != "detected":
+            return found
+        if self._handed:
+            return None  # one hang per attempt: the policy has decided on it
+        self._handed = True
+        return found
+
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict[int, RankFailure]) -> HangEvidence | None:
+        """Workers failed while a hang verdict stands that the policy has not had yet: they failed
+        because of it (on several nodes: another node restarted on the job's verdict and these
+        ranks lost their peers), so the verdict goes with the failure."""
+        with self._lock:
+            found = next((e for e in self._evidence if e.level == "detected"), None)
+            self._evidence = []
+        if self._handed:
+            return None
+        if found is None and self._follower is not None:
+            try:
+                found = self._follower.verdict()
+            except Exception as exc:  # the store of a round whose host left
+                log.debug("hang: could not look for the job's verdict: %s", exc)
+        if found is None:
+            return None
+        self._handed = True
+        return dataclasses.replace(found, attempt=ctx.restart_count)
+
+    def _follow(self, ctx: MonitorContext) -> HangEvidence | None:
+        """The job's verdict, recorded by another node (looked up every FOLLOW_STALLED_S while
+        steps stall here, FOLLOW_IDLE_S otherwise): this node acts on it too. One recorded here
+        comes from the watch itself, after the other nodes acted on it."""
+        if self._follower is None or self._handed:
+            return None
+        now = time.monotonic()
+        every = FOLLOW_STALLED_S if self._watch is not None and self._watch.stalled else FOLLOW_IDLE_S
+        if now - self._followed_at < every:
+            return None
+        self._followed_at = now
+        try:
+            agreed = self._follower.verdict()
+        except Exception as exc:  # the store of a round whose host left: try again later
+            log.debug("hang: could not look for the job's verdict: %s", exc)
+            return None
+        if agreed is None or agreed.recorded_by == ctx.node:
+            return None
+        self._stop.set()  # this attempt's watch has nothing left to find
+        log.info("hang: acting on the job's verdict recorded by %s: culprit rank %s", agreed.recorded_by, agreed.rank)
+        return dataclasses.replace(agreed, attempt=ctx.restart_count)
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            # Short: a py-spy call in flight ends on its own timeout, and a stopped watch never
+            # hands over its evidence.
+            t.join(timeout=2.0)
+        watch = self._watch
+        if watch is not None and (t is None or not t.is_alive()):
+            # An attempt that ended before any round saw a step (a few fast steps between two
+            # rounds) still teaches the next attempt its first-step allowance: without it a rank
+            # that hangs before its first step is judged only by the seed's 30 minutes.
+            try:
+                watch.learn_first_step()
+            except Exception:  # never let bookkeeping stop the agent
+                log.exception("hang: could not learn the first step")
+
+    def on_workers_stopped(self, ctx: MonitorContext) -> None:
+        self._stop_thread()
+
+    def close(self) -> None:
+        self._stop_thread()

@@ -1,0 +1,211 @@
+"""Log files of a run: every line of a worker's stdout/stderr, timestamped and rank-prefixed, and
+the agent's own log. Neither stops the job, nor floods the console, when the disk is full.
+
+A pump thread per pipe reads the worker's output, writes
+``2026-11-21T09:30:01.123456 [rank1]: <text>`` to ``RUN_DIR/logs/attempt-<n>/rank-<rank>.log``
+and tees it to the agent's console. Pipes are attached when a pre-started process is created;
+the rank is only known later, so output before that goes to the agent log. A carriage return ends
+a line too: progress bars (tqdm in HF Trainer, LLaMA-Factory, Accelerate) rewrite one line with
+``\r``, and each update is a timestamped step-time reading while the bar still runs (the slowdown
+monitor follows them live); on the console such a line still ends with ``\r``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import sys
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger("trainguard.worker_output")  # the agent log only (see agent/console.py)
+disk_log = logging.getLogger("trainguard.logs")  # on the console too
+
+MAX_LINE = 1 << 20  # longer output without a line end is written in pieces of this size
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+def attempt_dir(run_dir: Path, attempt: int) -> Path:
+    return run_dir / "logs" / f"attempt-{attempt}"
+
+
+def rank_log_path(run_dir: Path, attempt: int, rank: int) -> Path:
+    return attempt_dir(run_dir, attempt) / f"rank-{rank}.log"
+
+
+def error_file_path(run_dir: Path, attempt: int, rank: int) -> Path:
+    return attempt_dir(run_dir, attempt) / f"error-{rank}.json"
+
+
+def finished_file_path(run_dir: Path, attempt: int, rank: int) -> Path:
+    """Written by a worker whose training script returned (or exited 0): whatever ends the process
+    after that (a crash in interpreter teardown) happened once its work was done."""
+    return attempt_dir(run_dir, attempt) / f"finished-{rank}.json"  # .json: log scanners skip it
+
+
+def stamp() -> str:
+    return datetime.now().strftime("%Y-%m-%dT%H:%M:%S.%f")
+
+
+class RankLog:
+    """Destination of one worker's output. Thread-safe; opened lazily once the rank is known.
+
+    A line that cannot be written (disk full) is counted, never retried: the first failure is said
+    once on the console, and when writing works again the file gets one line saying how many lines
+    are missing, so a reader of the log knows it has a hole."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._file: IO[bytes] | None = None
+        self._prefix = "[pending]: "
+        self._tee = False
+        self._lost = 0  # lines not written since the last successful write
+        self._said = False
+        self.path: Path | None = None
+
+    def assign(self, path: Path, rank: int, tee: bool) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f: IO[bytes] | None = open(path, "ab", buffering=0)  # noqa: SIM115 - one write per line, nothing held back
+        except OSError as exc:
+            f = None
+            disk_log.warning("cannot open %s: %s; rank %d's output goes only to the agent log", path, exc.strerror or exc, rank)
+        with self._lock:
+            self._file = f
+            self._prefix = f"[rank{rank}]: "
+            self._tee = tee
+            self.path = path
+
+    def write_line(self, text: str, stream: IO[str], end: str = "\n") -> None:
+        with self._lock:
+            if self._file is None:
+                log.info("%s%s", self._prefix, text)
+                return
+            self._write(f"{stamp()} {self._prefix}{text}\n")
+            if self._tee:
+                try:
+                    stream.write(f"{self._prefix}{text}{end}")
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def _write(self, line: str) -> None:
+        assert self._file is not None
+        try:
+            if self._lost:
+                self._file.write(f"{stamp()} {self._prefix}[trainguard] {self._lost} line(s) of this rank were not "
+                                 f"written here (disk full)\n".encode())
+                self._lost = 0
+            self._file.write(line.encode("utf-8", errors="replace"))
+        except (OSError, ValueError) as exc:  # disk full: keep the job running, say so once
+            self._lost += 1
+            if not self._said:
+                self._said = True
+                disk_log.warning("cannot write %s: %s; later lines of this rank that cannot be written are counted "
+                                 "and the count is written once there is room", self.path, getattr(exc, "strerror", None) or exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+                self._file = None
+
+
+class AgentLogHandler(logging.FileHandler):
+    """``agent-<node>.log``. Each record is written straight through (nothing is held in a buffer
+    that a full disk would make grow); a record that cannot be written is dropped and said once on
+    stderr, instead of logging's traceback for every record."""
+
+    def __init__(self, path: Path) -> None:
+        self._failing = False  # said; said again after a write worked
+        self._this_failed = False
+        super().__init__(path, encoding="utf-8")
+
+    def _open(self):  # type: ignore[override]
+        raw = open(self.baseFilename, "ab", buffering=0)  # noqa: SIM115 - owned by the handler
+        return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._this_failed = False
+        super().emit(record)  # calls handleError on failure
+        if not self._this_failed:
+            self._failing = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        self._this_failed = True
+        if self._failing:
+            return
+        self._failing = True
+        exc = sys.exc_info()[1]
+        why = getattr(exc, "strerror", None) or exc
+        try:
+            sys.stderr.write(f"[trainguard] cannot write the agent log {self.baseFilename}: {why}; its lines are "
+                             "dropped until it can (the console goes on)\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str]) -> None:
+    """Copy lines from a worker pipe until EOF. Runs on its own daemon thread."""
+    buf = b""
+    try:
+        while chunk := pipe.read1(1 << 16):  # type: ignore[attr-defined]
+            buf = _write_lines(buf + chunk, dest, stream)
+    except (OSError, ValueError):
+        pass
+    finally:
+        if buf.rstrip(b"\r"):
+            dest.write_line(buf.rstrip(b"\r").decode("utf-8", errors="replace"), stream)
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def _write_lines(buf: bytes, dest: RankLog, stream: IO[str]) -> bytes:
+    """Write the complete lines in ``buf``; return what is left (an unfinished line)."""
+    start = 0
+    for m in _EOL.finditer(buf):
+        if m.group() == b"\r" and m.end() == len(buf):
+            break  # maybe the first half of \r\n: wait for the next chunk
+        text = buf[start : m.start()]
+        start = m.end()
+        if m.group() == b"\r" and not text:
+            continue  # a bar cleared before it is redrawn: nothing to record
+        dest.write_line(text.decode("utf-8", errors="replace"), stream, "\r" if m.group() == b"\r" else "\n")
+    rest = buf[start:]
+    while len(rest) > MAX_LINE:
+        dest.write_line(rest[:MAX_LINE].decode("utf-8", errors="replace"), stream)
+        rest = rest[MAX_LINE:]
+    return rest
+
+
+def start_pumps(stdout: IO[bytes], stderr: IO[bytes], dest: RankLog) -> list[threading.Thread]:
+    threads = []
+    for pipe, stream, name in ((stdout, sys.stdout, "out"), (stderr, sys.stderr, "err")):
+        t = threading.Thread(target=pump, args=(pipe, dest, stream), name=f"trainguard-log-{name}", daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
+
+
+def tail(path: Path | None, lines: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last lines of a log file (bounded read)."""
+    if path is None or not path.exists():
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return data.splitlines()[-lines:]

@@ -1,0 +1,215 @@
+"""torch elastic's process context for trainguard workers: same polling and shutdown semantics as
+``SubprocessContext``, but processes come from the pre-started pool and their output goes
+through trainguard's per-rank log pumps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import (
+    LogsDest,
+    LogsSpecs,
+    RunProcsResult,
+    SubprocessContext,
+)
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from trainguard.spawn.logs import error_file_path, finished_file_path, rank_log_path
+from trainguard.spawn.pool import WorkerPool, WorkerProcess
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a worker runs: a Python script, a module (-m), or a binary (--no-python)."""
+
+    script: str | None = None
+    module: str | None = None
+    binary: str | None = None
+
+
+class RunDirLogsSpecs(LogsSpecs):
+    """Error files go into the run dir; stdout/stderr are captured by our own pumps, not torch's."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(log_dir=str(run_dir / "logs"))
+        self.run_dir = run_dir
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self.run_dir / "logs")
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        error_files = {}
+        for local_rank, env in envs.items():
+            path = error_file_path(self.run_dir, int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                path.unlink()
+            env["TORCHELASTIC_ERROR_FILE"] = str(path)
+            error_files[local_rank] = str(path)
+        empty = {r: "" for r in envs}
+        return LogsDest(stdouts=empty, stderrs=dict(empty), tee_stdouts={}, tee_stderrs={}, error_files=error_files)
+
+
+class _Handler(SubprocessHandler):
+    """A SubprocessHandler around a process we started ourselves."""
+
+    def __init__(self, worker: WorkerProcess, local_rank: int) -> None:  # noqa: D107 - no Popen here
+        self.worker = worker
+        self.proc = worker.proc
+        self.local_rank_id = local_rank
+        self._stdout = None
+        self._stderr = None
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        sig = death_sig or signal.SIGTERM
+        for s in (sig, signal.SIGCONT):  # SIGCONT: a SIGSTOPped worker must act on the signal now
+            try:
+                os.killpg(self.proc.pid, s)
+            except (ProcessLookupError, PermissionError):
+                return
+
+
+EXIT_GRACE_S = 60.0  # how long the others may take to end once a worker crashed after finishing
+
+
+class TrainguardPContext(SubprocessContext):
+    def __init__(
+        self,
+        name: str,
+        target: Target,
+        args: dict[int, tuple],
+        envs: dict[int, dict[str, str]],
+        logs_specs: RunDirLogsSpecs,
+        pool: WorkerPool,
+        tee_ranks: set[int] | None,
+    ) -> None:
+        entry = target.binary or "python"
+        super().__init__(name=name, entrypoint=entry, args=args, envs=envs, logs_specs=logs_specs)
+        self.target = target
+        self.pool = pool
+        self.run_dir = logs_specs.run_dir
+        self.tee_ranks = tee_ranks
+        self.rank_logs: dict[int, Path] = {}
+        # Local ranks that failed on their own, as opposed to those we then stopped (SIGTERM).
+        self.primary_failures: set[int] | None = None
+        # Exact exit times (a waiter thread per worker): the true order of failures, which the
+        # 0.1 s poll cannot give when one death cascades into the others within milliseconds.
+        self.exit_times: dict[int, float] = {}
+        self.exit_codes: dict[int, int] = {}  # local rank -> exit code (set with its exit time)
+        # Ranks that crashed after their script had finished (global rank -> exit code), when the
+        # group still counts as succeeded (see _exit_phase).
+        self.exit_crashes: dict[int, int] = {}
+        self._exit_grace_until: float | None = None
+
+    def _spec(self, local_rank: int) -> dict:
+        env = dict(os.environ)
+        env.update(self.envs[local_rank])
+        return {
+            "env": env,
+            "cwd": os.getcwd(),
+            "script": self.target.script,
+            "module": self.target.module,
+            "binary": self.target.binary,
+            "args": list(self.args[local_rank]),
+        }
+
+    def _start(self) -> None:
+        specs = {r: self._spec(r) for r in range(self.nprocs)}
+        python = self.target.binary is None
+        prestarted = self.pool.take(self.nprocs) if python and self.pool.size else []
+        handlers = {}
+        for local_rank, spec in specs.items():
+            env = spec["env"]
+            rank, attempt = int(env["RANK"]), int(env["TRAINGUARD_ATTEMPT"])
+            worker = prestarted[local_rank] if prestarted else self.pool.spawn_direct(spec)
+            path = rank_log_path(self.run_dir, attempt, rank)
+            tee = self.tee_ranks is None or local_rank in self.tee_ranks
+            worker.output.assign(path, rank, tee)
+            self.rank_logs[rank] = path
+            worker.assign(spec)
+            handlers[local_rank] = _Handler(worker, local_rank)
+            threading.Thread(target=self._wait_exit, args=(local_rank, worker), daemon=True).start()
+        self.subprocess_handlers = handlers
+
+    def _wait_exit(self, local_rank: int, worker: WorkerProcess) -> None:
+        code = worker.proc.wait()
+        self.exit_codes[local_rank] = code
+        self.exit_times[local_rank] = time.time()
+
+    def global_rank(self, local_rank: int) -> int:
+        return int(self.envs[local_rank]["RANK"])
+
+    def finished(self, local_rank: int) -> bool:
+        """The worker's script returned (or exited 0) before the process ended (worker_main says so)."""
+        return self.finished_at(local_rank) is not None
+
+    def finished_at(self, local_rank: int) -> float | None:
+        """When the worker's script finished (None: it did not, or did not say so)."""
+        env = self.envs[local_rank]
+        try:
+            return finished_file_path(self.run_dir, int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"])).stat().st_mtime
+        except OSError:
+            return None
+
+    def _exit_phase(self) -> str | None:
+        """A worker that crashed after its script finished (torch's gloo teardown aborts under load:
+        "terminate called without an active exception") did its work. While every crashed worker had
+        finished, the others are left to end on their own (EXIT_GRACE_S) instead of being stopped:
+        "wait"; when all ended and each either exited 0 or had finished: "succeeded". Otherwise None
+        (an ordinary failure)."""
+        codes = {lr: h.proc.poll() for lr, h in self.subprocess_handlers.items()}
+        crashed = [lr for lr, c in codes.items() if c not in (None, 0)]
+        if not crashed or not all(self.finished(lr) for lr in crashed):
+            return None
+        if any(c is None for c in codes.values()):
+            if self._exit_grace_until is None:
+                self._exit_grace_until = time.monotonic() + EXIT_GRACE_S
+            return "wait" if time.monotonic() < self._exit_grace_until else None
+        self.exit_crashes = {self.global_rank(lr): int(codes[lr] or 0) for lr in crashed}
+        return "succeeded"
+
+    def _poll(self):
+        phase = self._exit_phase()
+        if phase == "wait":
+            return None
+        if phase == "succeeded":
+            self.close()  # nothing runs any more: joins the log pumps, as torch's own success path
+            return RunProcsResult(return_values=dict.fromkeys(range(self.nprocs)), stdouts=self.stdouts, stderrs=self.stderrs)
+        if self.primary_failures is None:
+            failed = {r for r, h in self.subprocess_handlers.items() if (h.proc.poll() or 0) != 0}
+            if failed:
+                self.primary_failures = failed
+        for _ in range(3):
+            try:
+                return super()._poll()
+            except ValueError:  # JSONDecodeError: torch read an error file cut short by its worker's death
+                self._set_aside_broken_error_files()
+        return super()._poll()
+
+    def _set_aside_broken_error_files(self) -> None:
+        for path in map(Path, self.error_files.values()):
+            try:
+                json.loads(path.read_text())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError):
+                path.replace(path.with_suffix(".broken"))
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        super()._close(death_sig, timeout)
+        for handler in self.subprocess_handlers.values():
+            # The worker may be gone while its children (DataLoader workers...) live on in its group.
+            try:
+                os.killpg(handler.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for t in handler.worker.pumps:
+                t.join(timeout=2)
+            handler.worker.output.close()
