@@ -10,7 +10,8 @@ import psutil
 import pytest
 from tgtest import EXAMPLE, SCRIPTS, events, rank_log, trainguard_cmd, wait_event, wait_for, wait_log
 
-from trainguard.chaos import hold, testbed
+from trainguard.chaos import testbed
+from trainguard.rundir import chaos_hold as hold
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 
 from trainguard.monitors.profiling import cli as profile_cli
-from trainguard.monitors.profiling import files as pf
+from trainguard.rundir import profiling as pf
 from trainguard.worker.ring import FLAG_BASIC, FLAG_COMM
 
 

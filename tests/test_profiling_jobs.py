@@ -23,10 +23,10 @@ from trainguard import policy
 from trainguard.detect.straggler import StragglerConfig
 from trainguard.events import EventBus, EventStore
 from trainguard.monitors.api import MonitorContext, StepTracker, WorkerInfo
-from trainguard.monitors.profiling import files as pf
 from trainguard.monitors.profiling.monitor import ProfilingMonitor, ProfilingSettings
 from trainguard.monitors.straggler import StragglerMonitor
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE, Action
+from trainguard.rundir import profiling as pf
 
 pytestmark = pytest.mark.slow
 

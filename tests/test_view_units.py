@@ -20,9 +20,10 @@ from tgtest import REPO
 from trainguard.events import EventBus, EventStore
 from trainguard.events.metrics import METRICS, AgentView, SummaryCollector, registry_for
 from trainguard.events.model import Event, Severity
-from trainguard.view import goodput, stack_requests, trace
-from trainguard.view.rundir import Span, SpanTail, read_report
-from trainguard.view.summary import JobSummary, StepHeat
+from trainguard.events.summary import JobSummary, StepHeat
+from trainguard.rundir import stack_requests
+from trainguard.rundir.readers import Span, SpanTail, read_report
+from trainguard.view import goodput, trace
 
 T = 1_800_000_000.0
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.chaos import hold
+from trainguard.rundir import chaos_hold as hold
 
 MAX_DURATION_S = 3600.0
 FILL_CHUNK = 16 << 20

@@ -7,7 +7,7 @@ fill-disk (fill --path up to --size MB or --leave-mb free, for --duration s, the
 corrupt-ckpt (overwrite bytes in the middle of the newest trainguard.checkpoint step in
 --ckpt-dir), hang (the rank blocks before its next collective, at its call site, while the others
 wait in theirs; released after --duration s if given, else held until the job restarts the rank;
-needs trainguard's worker hooks, chaos/hold.py), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
+needs trainguard's worker hooks, rundir/chaos_hold.py), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
 (link down), net-delay (tc netem; kernels without the netem qdisc get a clear error), net-loss
 (tc netem, else a random-drop iptables rule: the same loss of outgoing packets), net-slow (a tc
 tbf token bucket: a thin link at --rate-kbit, slow but not cut).
@@ -33,12 +33,13 @@ from typing import Any
 
 import psutil
 
-from trainguard.chaos import background, event_db, hold
+from trainguard.chaos import background, event_db
 from trainguard.chaos.targets import Target, TargetError, resolve
 from trainguard.events import EventBus, EventStore
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.options import positive
-from trainguard.view.rundir import NotARunDir, check_run_dir
+from trainguard.rundir import chaos_hold as hold
+from trainguard.rundir.readers import NotARunDir, check_run_dir
 
 FAULTS = ["kill", "stop", "cont", "slow", "hang", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss",
           "net-slow"]  # fmt: skip
@@ -111,7 +112,7 @@ def _slow(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, An
 
 
 def _hang(t: Target, args: argparse.Namespace, run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """Ask the rank's agent to hold it (chaos/hold.py) and wait for its answer."""
+    """Ask the rank's agent to hold it (rundir/chaos_hold.py) and wait for its answer."""
     if t.rank is None:
         raise ChaosError("hang needs --rank")
     req = hold.HoldRequest(spec["id"], t.rank, t.workers[t.rank])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import psutil
 
-from trainguard.view.rundir import read_events
+from trainguard.events.summary import JobSummary, NodeState
+from trainguard.rundir.readers import read_events
 from trainguard.view.stacks_cli import _verified
-from trainguard.view.summary import JobSummary, NodeState
 
 
 class TargetError(Exception):

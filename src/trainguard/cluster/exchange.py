@@ -11,14 +11,19 @@ rendezvous reuses one store for every attempt (all agents restart together), so 
 from __future__ import annotations
 
 import time
-from typing import Any
-
-from trainguard.monitors.api import MonitorContext
+from typing import Any, Protocol
 
 POLL_S = 0.2  # how often a bounded wait looks at the store again
 
 
-def scope(ctx: MonitorContext) -> str:
+class Round(Protocol):
+    """What a key's scope depends on (a monitor's context has both)."""
+
+    restart_count: int
+    rdzv_backend: str
+
+
+def scope(ctx: Round) -> str:
     """The prefix that keeps one attempt's keys apart from another's (see the module's doc)."""
     return f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server, write_to_tex
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from trainguard.view.summary import NODE_STATES, JobSummary
+from trainguard.events.summary import NODE_STATES, JobSummary
 
 # name, type, help: the table in the README is this list.
 METRICS: list[tuple[str, str, str]] = [

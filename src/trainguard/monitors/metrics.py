@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.events.metrics import AgentView, Exporter, SummaryCollector, registry_for
+from trainguard.events.summary import JobSummary
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.options import given, positive
-from trainguard.view.rundir import EventTail, SpanTail
-from trainguard.view.summary import JobSummary
+from trainguard.rundir.readers import EventTail, SpanTail
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Answers `trainguard stacks` requests: this node's workers' Python stacks, written into the run dir.
 
-A background thread looks for request files (view/stack_requests.py) about once a second — one
+A background thread looks for request files (rundir/stack_requests.py) about once a second — one
 directory listing — and answers each with py-spy dumps of this node's current workers. Dumping
 never pauses a worker (probes/stacks.py), so answering is safe for a healthy job.
 """
@@ -14,7 +14,7 @@ import time
 
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.probes import stacks
-from trainguard.view import stack_requests as req
+from trainguard.rundir import stack_requests as req
 
 log = logging.getLogger(__name__)
 

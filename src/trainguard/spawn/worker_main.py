@@ -11,18 +11,14 @@ The assignment is JSON: {"env": {...}, "cwd": str, "script": str | null, "module
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import runpy
-import signal
 import sys
 import time
 
 from trainguard import torch_compat
-
-PR_SET_PDEATHSIG = 1
-
+from trainguard.spawn.parent import die_with_parent
 
 # trainguard's own worker-side modules, imported ahead of time with torch's (spawn/zygote_server.py)
 WORKER_MODULES = (
@@ -43,17 +39,6 @@ def preimport() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-
-
-def die_with_parent() -> None:
-    """If the agent dies (even by SIGKILL), take this worker down too: no orphans."""
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass
 
 
 def _apply_env(env: dict[str, str]) -> None:

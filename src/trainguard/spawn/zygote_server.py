@@ -160,7 +160,7 @@ class _Server:
             os.close(pidfd)
         os.setsid()  # its own session and process group: the agent signals the group
         _restore_stop_signals()  # a worker takes SIGTERM like any fresh process
-        from trainguard.spawn.worker_main import die_with_parent
+        from trainguard.spawn.parent import die_with_parent
 
         die_with_parent()
         if os.getppid() != zygote:

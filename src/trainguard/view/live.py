@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.events.model import Event
+from trainguard.events.summary import JobSummary, StepHeat
+from trainguard.rundir.readers import EventTail, SpanTail, check_run_dir
 from trainguard.view.goodput import compute as compute_goodput
-from trainguard.view.rundir import EventTail, SpanTail, check_run_dir
-from trainguard.view.summary import JobSummary, StepHeat
 
 # A live view reads only this much of each rank's newest record file when it starts.
 LIVE_START_BYTES = 4 << 20

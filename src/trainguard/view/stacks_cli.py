@@ -3,7 +3,7 @@
 Ranks of this host are dumped directly with py-spy: their pids come from each node's latest
 ``job_started`` event, checked to be the same processes (started before that event). Ranks of
 other nodes are asked for through a request file in the run directory, which every agent watches
-and answers into (see view/stack_requests.py); that needs the run directory on a filesystem the
+and answers into (see rundir/stack_requests.py); that needs the run directory on a filesystem the
 nodes share. Dumps never pause a worker.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import psutil
 
+from trainguard.events.summary import JobSummary, NodeState
 from trainguard.options import positive
 from trainguard.probes import stacks
-from trainguard.view import stack_requests as req
-from trainguard.view.rundir import NotARunDir, check_run_dir, read_events
-from trainguard.view.summary import JobSummary, NodeState
+from trainguard.rundir import stack_requests as req
+from trainguard.rundir.readers import NotARunDir, check_run_dir, read_events
 
 LIVE = ("starting", "running", "recovering", "restarting")
 START_SLACK_S = 2.0

@@ -15,8 +15,8 @@ from datetime import datetime
 from typing import Any
 
 from trainguard.options import positive
+from trainguard.rundir.readers import NotARunDir
 from trainguard.view.live import RunView
-from trainguard.view.rundir import NotARunDir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

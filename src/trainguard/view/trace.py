@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainguard.events.model import Event
+from trainguard.events.summary import JobSummary
+from trainguard.rundir.readers import Span
 from trainguard.view.goodput import Goodput
-from trainguard.view.rundir import Span
-from trainguard.view.summary import JobSummary
 
 AGENT_TID = 1_000_000  # the agent's own track in each node's process (ranks use tid = rank)
 EVIDENCE_LIMIT = 2000  # characters of an event's evidence kept in its args

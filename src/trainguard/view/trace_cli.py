@@ -9,8 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from trainguard.rundir.readers import NotARunDir, SpanTail, check_run_dir, read_events
 from trainguard.view import goodput, trace
-from trainguard.view.rundir import NotARunDir, SpanTail, check_run_dir, read_events
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,8 +25,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from trainguard.options import port_or_zero
+from trainguard.rundir.readers import NotARunDir, hang_reports, read_report
 from trainguard.view.live import RunView
-from trainguard.view.rundir import NotARunDir, hang_reports, read_report
 
 STATIC = ("index.html", "app.js", "style.css")
 FIRST_EVENTS = 500  # events sent on the first load; later polls send only the new ones

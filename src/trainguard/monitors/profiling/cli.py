@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from trainguard.exitcodes import EXIT_USAGE
-from trainguard.monitors.profiling import files as pf
+from trainguard.rundir import profiling as pf
 from trainguard.worker.ring import FLAG_BASIC, FLAG_COMM
 
 

@@ -7,7 +7,7 @@
   flag words, appends every new record to ``RUN_DIR/profiling/<rank>/<timestamp>`` with the seed's
   rotation and aging, and sums spans per step and per window for the straggler monitor
   (monitors/straggler.py, which gets every finished window of this node).
-- It also carries out ``trainguard chaos hang`` (chaos/hold.py): a hold request for one of its
+- It also carries out ``trainguard chaos hang`` (rundir/chaos_hold.py): a hold request for one of its
   ranks sets that rank's FLAG_HOLD bit, so the worker blocks before its next collective, until
   the request is withdrawn or the held worker is gone (one stat of the run's chaos dir per tick).
 - ``poll`` feeds each rank's new steps (from the always-on step history in the ring header) into
@@ -30,13 +30,13 @@ from typing import Any, Protocol
 
 import psutil
 
-from trainguard.chaos import hold
 from trainguard.detect import straggler as S
 from trainguard.monitors.api import Monitor, MonitorContext, StepSample
-from trainguard.monitors.profiling import files as pf
 from trainguard.monitors.straggler import StragglerMonitor, add_arguments, config_from
 from trainguard.options import positive
 from trainguard.probes.ring_reader import RingNotReady, RingReader
+from trainguard.rundir import chaos_hold as hold
+from trainguard.rundir import profiling as pf
 from trainguard.worker import ring as R
 from trainguard.worker.bootstrap import ENV_FLAGS, ENV_RING_PREFIX
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainguard.events.model import Event
 from trainguard.events.store import RunEvents, event_dbs
-from trainguard.monitors.profiling.files import PROFILING_DIR
+from trainguard.rundir.profiling import PROFILING_DIR
 
 HANG_GLOB = "hang-*.txt"
 
