@@ -13,6 +13,7 @@ import sqlite3
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
@@ -21,6 +22,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.elastic.utils import macros
+from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_use_env, parse_min_max_nnodes
 
 from trainguard import stopsignal
@@ -267,49 +269,49 @@ def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.Ru
     return run_dir, lock, store
 
 
-def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore,
-            slurm_job: slurm.SlurmJob | None) -> int:
-    _setup_logging(run_dir, node)
-    scheduler.describe(slurm_job, args)
-    _install_signal_handlers()
+@dataclass
+class Job:
+    """torchrun's launch config for this node, resolved: what the agent is built from."""
+
+    config: LaunchConfig
+    cmd: str
+    single: bool  # one node on loopback: its stores listen on 127.0.0.1 only
+    advertise: str  # the address the other nodes reach this one through
+    rdzv: RendezvousParameters
+    rdzv_server: object | None  # the store this node hosts, kept alive as long as the job runs
+
+
+@dataclass
+class Outcome:
+    """How this node's part of the job ended: the exit code, one line why, and whether the
+    rendezvous may be closed (not when the others go on without this node)."""
+
+    code: int = EXIT_FAILED
+    verdict: str = "the job failed"
+    shutdown_rdzv: bool = True
+
+
+def _resolve_job(args: argparse.Namespace) -> Job:
+    """torchrun's config from the flags, the rendezvous store this node hosts, its address."""
     user_rdzv_id = args.rdzv_id
     single = _standalone(args)
     try:
         config, cmd, _ = config_from_args(args)
     except (AssertionError, ValueError) as exc:
-        print(f"trainguard run: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(exc)) from None
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
     missing = _missing_rendezvous_client(config.rdzv_backend)
     if missing:
-        print(f"trainguard run: error: {missing}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(missing)
     rdzv_server = _loopback_rendezvous(config) if single else _host_rendezvous(config)
     advertise = advertise_address(config, single)
     if config.max_nodes > 1 and is_loopback(advertise) and not reaches_loopback(_endpoint_host(config) or "localhost"):
-        print(
-            f"trainguard run: error: this node's address for the other nodes would be {advertise} (loopback) "
-            f"while the rendezvous endpoint {config.rdzv_endpoint} is not: give --local-addr",
-            file=sys.stderr,
+        raise UsageError(
+            f"this node's address for the other nodes would be {advertise} (loopback) "
+            f"while the rendezvous endpoint {config.rdzv_endpoint} is not: give --local-addr"
         )
-        return EXIT_USAGE
-
-    if not store.reserve_ok:
-        log.warning("the disk of %s is full: events are stored in what is left of the event store's reserve", store.path)
-    bus = EventBus(store, node=node)
-    notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
-    bus.subscribe(notifier)
-    sched = scheduler.Scheduler.from_options(args, run_dir, bus.emit, slurm_job)
-    # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
-    prestart = "off" if args.no_python else args.prestart_workers
-    pool = WorkerPool(config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=prestart)
-
-    # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
-    script_args = list(args.training_script_args)
-    if not get_use_env(args):
-        script_args.insert(0, f"--local-rank={macros.local_rank}")
-    rdzv_parameters = RendezvousParameters(
+    rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
         run_id=config.run_id,
@@ -318,115 +320,176 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
-    agent: TrainguardAgent | None = None
-    shutdown_rdzv = True
-    code = EXIT_FAILED
-    verdict = "the job failed"
-    try:
-        master_addr, master_port = _static_master(rdzv_parameters)
-        spec = WorkerSpec(
-            role=config.role,
-            local_world_size=config.nproc_per_node,
-            entrypoint=cmd,
-            args=tuple(script_args),
-            rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
-            max_restarts=config.max_restarts,
-            monitor_interval=config.monitor_interval,
-            master_addr=master_addr,
-            master_port=master_port,
-            local_addr=config.local_addr,
-        )
-        tee = None if not args.quiet else set()
-        if args.local_ranks_filter:
-            tee = {int(r) for r in args.local_ranks_filter.split(",")}
-        agent = TrainguardAgent(
-            spec,
-            run_dir=run_dir,
-            bus=bus,
-            monitors=monitors,
-            pool=pool,
-            target=_target(args),
-            policy_settings=PolicySettings.from_options(args),
-            rdzv_backend=config.rdzv_backend,
-            advertise_addr=advertise,
-            job_key=JobKey.for_job(config.run_id, single_node=single),
-            tee_ranks=tee,
-            exit_barrier_timeout=args.exit_barrier_timeout,
-            stop_timeout=args.worker_stop_timeout,
-        )
-        log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, config.nproc_per_node)
-        result = agent.run()
-        if result is not None and result.state == WorkerState.SUCCEEDED:
-            bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.restarts_this_run + 1})
-            code, verdict = EXIT_OK, "the job succeeded"
-        else:
-            reason = agent.stop_decision.reason if agent.stop_decision else agent.restart_reason
-            verdict = reason
-            if agent.stop_decision is not None and agent.stop_decision.evidence.get("faulty"):
-                code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
-            bus.emit(
-                "job_failed",
-                f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {config.max_restarts})"),
-                severity=Severity.CRITICAL,
-                rank=next(iter(agent.final_failures), None),  # ordered by exit time: first failure first
-                evidence={
-                    "reason": reason,
-                    "failures": {str(r): f.to_dict() for r, f in agent.final_failures.items()},
-                    "max_restarts": config.max_restarts,
-                },
-            )
-    except NodeExcluded as exc:
-        shutdown_rdzv = False  # closing the rendezvous would end it for the nodes that go on
-        d = exc.decision
-        bus.emit("node_excluded", d.exit_message or d.reason, severity=Severity.ERROR, rank=d.rank, evidence={"reason": d.reason, "source": d.source, **d.evidence})
-        print(d.exit_message or d.reason, flush=True)
-        code, verdict = EXIT_EXCLUDED, f"{d.exit_message} {d.reason}".strip()
-        nodes_left, min_nodes = _nodes_left(agent, d)
-        sched.on_excluded(node, d.reason, nodes_left, min_nodes)
-        if agent is not None:
-            _keep_rendezvous_store(agent, rdzv_parameters, bus)
-    except NodesUnreachable as exc:
-        verdict = str(exc)
+    return Job(config, cmd, single, advertise, rdzv, rdzv_server)
+
+
+def _event_bus(args: argparse.Namespace, store: EventStore, node: str, run_dir: Path) -> tuple[EventBus, Notifier]:
+    if not store.reserve_ok:
+        log.warning("the disk of %s is full: events are stored in what is left of the event store's reserve", store.path)
+    bus = EventBus(store, node=node)
+    notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
+    bus.subscribe(notifier)
+    return bus, notifier
+
+
+def _make_agent(args: argparse.Namespace, job: Job, run_dir: Path, monitors: list, bus: EventBus,
+                pool: WorkerPool) -> TrainguardAgent:
+    config = job.config
+    # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
+    script_args = list(args.training_script_args)
+    if not get_use_env(args):
+        script_args.insert(0, f"--local-rank={macros.local_rank}")
+    master_addr, master_port = _static_master(job.rdzv)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=job.cmd,
+        args=tuple(script_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(job.rdzv),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+    )
+    tee = None if not args.quiet else set()
+    if args.local_ranks_filter:
+        tee = {int(r) for r in args.local_ranks_filter.split(",")}
+    return TrainguardAgent(
+        spec,
+        run_dir=run_dir,
+        bus=bus,
+        monitors=monitors,
+        pool=pool,
+        target=_target(args),
+        policy_settings=PolicySettings.from_options(args),
+        rdzv_backend=config.rdzv_backend,
+        advertise_addr=job.advertise,
+        job_key=JobKey.for_job(config.run_id, single_node=job.single),
+        tee_ranks=tee,
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        stop_timeout=args.worker_stop_timeout,
+    )
+
+
+def _run_agent(agent: TrainguardAgent, bus: EventBus, node: str, max_restarts: int) -> Outcome:
+    """Run the job to its end on this node; the event that says how it ended."""
+    result = agent.run()
+    if result is not None and result.state == WorkerState.SUCCEEDED:
+        bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.restarts_this_run + 1})
+        return Outcome(EXIT_OK, "the job succeeded")
+    out = Outcome()
+    reason = agent.stop_decision.reason if agent.stop_decision else agent.restart_reason
+    out.verdict = reason
+    if agent.stop_decision is not None and agent.stop_decision.evidence.get("faulty"):
+        out.code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
+    bus.emit(
+        "job_failed",
+        f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {max_restarts})"),
+        severity=Severity.CRITICAL,
+        rank=next(iter(agent.final_failures), None),  # ordered by exit time: first failure first
+        evidence={
+            "reason": reason,
+            "failures": {str(r): f.to_dict() for r, f in agent.final_failures.items()},
+            "max_restarts": max_restarts,
+        },
+    )
+    return out
+
+
+def _excluded(exc: NodeExcluded, agent: TrainguardAgent | None, job: Job, node: str, bus: EventBus,
+              sched: scheduler.Scheduler) -> Outcome:
+    d = exc.decision
+    bus.emit("node_excluded", d.exit_message or d.reason, severity=Severity.ERROR, rank=d.rank, evidence={"reason": d.reason, "source": d.source, **d.evidence})
+    print(d.exit_message or d.reason, flush=True)
+    # shutdown_rdzv False: closing the rendezvous would end it for the nodes that go on
+    out = Outcome(EXIT_EXCLUDED, f"{d.exit_message} {d.reason}".strip(), shutdown_rdzv=False)
+    nodes_left, min_nodes = _nodes_left(agent, d)
+    sched.on_excluded(node, d.reason, nodes_left, min_nodes)
+    if agent is not None:
+        _keep_rendezvous_store(agent, job.rdzv, bus)
+    return out
+
+
+def _ended_by(exc: Exception, agent: TrainguardAgent | None, job: Job, node: str, bus: EventBus,
+              sched: scheduler.Scheduler) -> Outcome:
+    """How an exception out of the agent's run ends this node's part of the job. Called inside the
+    ``except`` block, so the last branch's log.exception still has the traceback."""
+    if isinstance(exc, NodeExcluded):
+        return _excluded(exc, agent, job, node, bus, sched)
+    if isinstance(exc, NodesUnreachable):
         bus.emit("job_failed", f"job failed: {exc}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
         print(f"trainguard run: error: {exc}", file=sys.stderr)
-    except JobStopped as exc:
-        verdict = exc.decision.reason
-        if exc.decision.evidence.get("faulty"):
-            code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
+        return Outcome(verdict=str(exc))
+    if isinstance(exc, JobStopped):
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
-    except SignalException as exc:
+        # too few healthy nodes left: retry elsewhere
+        return Outcome(EXIT_NODE_FAULT if exc.decision.evidence.get("faulty") else EXIT_FAILED, exc.decision.reason)
+    if isinstance(exc, SignalException):
         stopsignal.handled()
-        shutdown_rdzv = False
         if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
             sched.on_preempted(exc.sigval, node)
         bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
-        code, verdict = signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)"
-    except RendezvousConnectionError as exc:
-        verdict = f"cannot reach the {config.rdzv_backend} rendezvous at {config.rdzv_endpoint}: {_root_cause(exc)}"
+        return Outcome(signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)", shutdown_rdzv=False)
+    if isinstance(exc, RendezvousConnectionError):
+        cfg = job.config
+        verdict = f"cannot reach the {cfg.rdzv_backend} rendezvous at {cfg.rdzv_endpoint}: {_root_cause(exc)}"
         bus.emit("job_failed", f"job failed: {verdict}", severity=Severity.CRITICAL, evidence={"reason": verdict})
         print(f"trainguard run: error: {verdict}", file=sys.stderr)
+        return Outcome(verdict=verdict)
+    log.exception("agent failed")
+    bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
+    return Outcome()
+
+
+def _stop(args: argparse.Namespace, out: Outcome, agent: TrainguardAgent | None, pool: WorkerPool,
+          sched: scheduler.Scheduler, bus: EventBus, run_dir: Path) -> None:
+    """Close down this node's part of the job, in the order that loses nothing."""
+    if out.shutdown_rdzv and agent is not None:
+        try:
+            agent.get_worker_group().spec.rdzv_handler.shutdown()
+        except Exception:
+            pass
+    # After the rendezvous is closed (the other nodes are not kept waiting), before the
+    # monitors close (the metrics endpoint and status stay up while held).
+    if out.code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
+        hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if out.code == EXIT_EXCLUDED else "failed")
+    # Stopping: a signal now (Slurm's requeue by another node, a time limit) must not cut short
+    # persisting the snapshots and stopping the workers.
+    for sig in scheduler.STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if agent is not None:
+        agent.close()
+    pool.close()
+    sched.finish(out.code, out.verdict)  # after close: the snapshots are on disk before a requeue
+
+
+def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore,
+            slurm_job: slurm.SlurmJob | None) -> int:
+    _setup_logging(run_dir, node)
+    scheduler.describe(slurm_job, args)
+    _install_signal_handlers()
+    try:
+        job = _resolve_job(args)
+    except UsageError as exc:
+        print(f"trainguard run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    bus, notifier = _event_bus(args, store, node, run_dir)
+    sched = scheduler.Scheduler.from_options(args, run_dir, bus.emit, slurm_job)
+    # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
+    prestart = "off" if args.no_python else args.prestart_workers
+    pool = WorkerPool(job.config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=prestart)
+    agent: TrainguardAgent | None = None
+    out = Outcome()
+    try:
+        agent = _make_agent(args, job, run_dir, monitors, bus, pool)
+        log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, job.config.nproc_per_node)
+        out = _run_agent(agent, bus, node, job.config.max_restarts)
     except Exception as exc:
-        log.exception("agent failed")
-        bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
+        out = _ended_by(exc, agent, job, node, bus, sched)
     finally:
-        if shutdown_rdzv and agent is not None:
-            try:
-                agent.get_worker_group().spec.rdzv_handler.shutdown()
-            except Exception:
-                pass
-        # After the rendezvous is closed (the other nodes are not kept waiting), before the
-        # monitors close (the metrics endpoint and status stay up while held).
-        if code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
-            hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if code == EXIT_EXCLUDED else "failed")
-        # Stopping: a signal now (Slurm's requeue by another node, a time limit) must not cut short
-        # persisting the snapshots and stopping the workers.
-        for sig in scheduler.STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-        if agent is not None:
-            agent.close()
-        pool.close()
-        sched.finish(code, verdict)  # after close: the snapshots are on disk before a requeue
-        del rdzv_server
+        _stop(args, out, agent, pool, sched, bus, run_dir)
+        job.rdzv_server = None
         notifier.close()
         store.close()
-    return code
+    return out.code

@@ -121,7 +121,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(READY_LINE, flush=True)
         sys.stdin.readline()
 
-    # GEMM on every GPU of the node (a node is as slow as its slowest GPU), else on the CPU.
+    out.update(_gemm(args, use_cuda, dev, factor))
+    out.update(_collectives(args, dev, sync, world, factor))
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _gemm(args: argparse.Namespace, use_cuda: bool, dev: Any, factor: float) -> dict[str, Any]:
+    """GEMM timings on every GPU of the node (a node is as slow as its slowest GPU), else on the CPU."""
+    import torch
+
     n = args.gemm_n or (4096 if use_cuda else 256)
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if use_cuda else [dev]
     per_device = []
@@ -138,17 +148,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.synchronize(d)
 
         per_device.append(_time_ops(do_gemm, sync_d, args.warmup, args.iters, factor))
-    out["gemm_n"] = n
-    out["gemm_s"] = max(per_device)
-    out["gemm_s_per_device"] = per_device
-    out["gemm_tflops"] = 2 * n**3 / out["gemm_s"] / 1e12
+    gemm_s = max(per_device)
+    return {"gemm_n": n, "gemm_s": gemm_s, "gemm_s_per_device": per_device, "gemm_tflops": 2 * n**3 / gemm_s / 1e12}
 
-    # Collectives: S bytes of float32.
-    coll_mb = args.coll_mb or (64.0 if use_cuda else 1.0)
+
+def _collectives(args: argparse.Namespace, dev: Any, sync: Any, world: int, factor: float) -> dict[str, Any]:
+    """All-reduce and all-gather timings over S bytes of float32, with their bandwidths."""
+    import torch
+    import torch.distributed as dist
+
+    coll_mb = args.coll_mb or (64.0 if dev.type == "cuda" else 1.0)
     nbytes = max(4 * world, int(coll_mb * 1e6) // (4 * world) * 4 * world)
     x = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
     dist.barrier()
-    out["bytes"] = nbytes
+    out: dict[str, Any] = {"bytes": nbytes}
     out["allreduce_s"] = _time_ops(lambda: dist.all_reduce(x), sync, args.warmup, args.iters, factor)
     out["allreduce_algbw_gbps"], out["allreduce_busbw_gbps"] = algbw_busbw(
         "all_reduce", nbytes, out["allreduce_s"], world
@@ -162,9 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["allgather_algbw_gbps"], out["allgather_busbw_gbps"] = algbw_busbw(
         "all_gather", nbytes, out["allgather_s"], world
     )
-    dist.barrier()
-    dist.destroy_process_group()
     return out
+
 
 
 def make_parser() -> argparse.ArgumentParser:
