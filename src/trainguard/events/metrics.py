@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from trainguard.events.summary import NODE_STATES, JobSummary
 
-# name, type, help: the table in the README is this list.
+# name, type, help: the table in docs/observability.md is this list.
 METRICS: list[tuple[str, str, str]] = [
     ("trainguard_build_info", "gauge", "trainguard, torch and Python versions of this agent (value 1)"),
     ("trainguard_node_state", "gauge", "1 for this node's current state (label state), 0 for the others"),
