@@ -20,17 +20,24 @@ class SettingsError(ValueError):
     printed as the one error line of the command."""
 
 
-def number(what: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False) -> Callable[[str], Any]:
-    """An argparse ``type``: a finite number above ``minimum`` (or equal to it with ``inclusive``)."""
+MAX_SECONDS = 7 * 86400.0  # the longest timeout a flag takes: larger ones overflow clocks and timedeltas
+
+
+def number(what: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False,
+           maximum: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite number above ``minimum`` (or equal to it with ``inclusive``),
+    and at most ``maximum`` when given. NaN and infinities are refused here, once for every command."""
     bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    if maximum is not None:
+        bound += f" and <= {maximum:g}"
 
     def parse(text: str) -> Any:
         try:
             value: Any = int(text) if integer else float(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         ok = value >= minimum if inclusive else value > minimum
-        if not (ok and math.isfinite(value)):
+        if not (ok and math.isfinite(value)) or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
         return value
 
@@ -42,6 +49,7 @@ positive = number("a number")
 positive_int = number("a positive integer", integer=True)
 non_negative = number("a number", inclusive=True)
 non_negative_int = number("an integer", integer=True, inclusive=True)
+seconds = number("seconds", maximum=MAX_SECONDS)  # a timeout or an interval
 
 
 def port(text: str) -> int:

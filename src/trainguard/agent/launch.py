@@ -261,7 +261,7 @@ def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.Ru
     db = node_db_path(run_dir, node)  # one database per node: safe on NFS / Lustre (events/store.py)
     try:
         store = EventStore(db)
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, OSError) as exc:  # OSError: a symlink or special file where the database goes
         lock.release()
         raise UsageError(f"cannot store events in {db}: {exc}") from None
     return run_dir, lock, store

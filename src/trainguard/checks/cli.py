@@ -10,7 +10,15 @@ import argparse
 import json
 
 from trainguard.checks.items import ITEM_NAMES, CheckConfig, passed, run_checks
-from trainguard.options import dir_path, given, non_negative, non_negative_int, port, positive, positive_int
+from trainguard.options import (
+    dir_path,
+    given,
+    non_negative,
+    non_negative_int,
+    port,
+    positive_int,
+    seconds,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ulimit-stack-kb", type=non_negative_int, default=None, help=f"(default {d.ulimit_stack_kb})")
     p.add_argument("--ulimit-nproc", type=non_negative_int, default=None, help=f"(default {d.ulimit_nproc})")
     p.add_argument("--require-cuda-toolkit", action="store_true", help="fail when nvcc is missing")
-    p.add_argument("--dns-timeout", type=positive, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
+    p.add_argument("--dns-timeout", type=seconds, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
     p.add_argument(
         "--skip", action="append", default=[], metavar="ITEM", help=f"leave out: {', '.join(ITEM_NAMES)}"
     )

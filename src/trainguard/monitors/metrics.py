@@ -20,7 +20,7 @@ from typing import Any
 
 from trainguard.events.metrics import AgentView, Exporter, SummaryCollector, registry_for
 from trainguard.monitors.api import Monitor, MonitorContext
-from trainguard.options import given, positive
+from trainguard.options import given, seconds
 from trainguard.view.rundir import EventTail, SpanTail
 from trainguard.view.summary import JobSummary
 
@@ -82,7 +82,7 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        "Prometheus scrape from elsewhere)")
     group.add_argument("--metrics-textfile", type=_textfile, default=None, metavar="PATH.prom",
                        help="also write the metrics to this file for node_exporter's textfile collector (atomically)")
-    group.add_argument("--metrics-interval", type=positive, default=None, metavar="SECONDS",
+    group.add_argument("--metrics-interval", type=seconds, default=None, metavar="SECONDS",
                        help=argparse.SUPPRESS)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from trainguard.options import positive
+from trainguard.options import seconds
 from trainguard.probes import stacks
 from trainguard.view import stack_requests as req
 from trainguard.view.rundir import NotARunDir, check_run_dir, read_events
@@ -31,7 +31,7 @@ START_SLACK_S = 2.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the job's run directory")
-    p.add_argument("--timeout", type=positive, default=30.0, help="seconds to wait for other nodes' agents (default 30)")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for other nodes' agents (default 30)")
     p.add_argument("--node-name", action="append", default=None, metavar="NAME",
                    help="this host's node name when the job ran with --node-name (repeatable); default: the hostname")
     p.add_argument("--via-agents", action="store_true", help="ask every node's agent, this host's too (no local py-spy)")
