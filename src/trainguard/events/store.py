@@ -204,7 +204,7 @@ class EventStore:
                 if "no such table" in str(exc):  # a reader that came before the writer's schema
                     return []
                 raise
-        events = [_row_to_event(r) for r in rows]
+        events = [e for e in map(_row_to_event, rows) if e is not None]
         if min_severity is not None:
             events = [e for e in events if e.severity >= min_severity]
         return events
@@ -363,16 +363,37 @@ def read_all(path: str | Path, kinds: list[str] | None = None) -> list[Event]:
         events.close()
 
 
-def _row_to_event(row: tuple) -> Event:
+MAX_TIME = 1e11  # unix seconds (year 5138): a later (or negative) time is a damaged row
+MAX_RANK = 1 << 24
+
+
+def _row_to_event(row: tuple) -> Event | None:
+    """One row as an event; None for a row no view can place (its time is not a time). Rows other
+    programs wrote are shown as well as they can be rather than failing the whole read."""
     id_, t, kind, sev, node, rank, message, evidence = row
     try:
-        ev = json.loads(evidence)
+        t = float(t)
     except (TypeError, ValueError):
+        return None
+    if not 0 <= t < MAX_TIME:  # NaN too
+        return None
+    try:
+        ev = json.loads(evidence)
+    except (TypeError, ValueError, RecursionError):
         ev = {"raw": evidence}
     if not isinstance(ev, dict):
         ev = {"raw": ev}
     try:
         severity = Severity.parse(sev)
-    except ValueError:  # a row some other program wrote: show it rather than fail the whole read
+    except (ValueError, TypeError, AttributeError):  # a row some other program wrote
         severity = Severity.INFO
-    return Event(id=id_, time=t, kind=kind, severity=severity, node=node, rank=rank, message=message, evidence=ev)
+    if not (isinstance(rank, int) and 0 <= rank < MAX_RANK):
+        rank = None
+    return Event(id=id_, time=t, kind=_text(kind), severity=severity, node=_text(node), rank=rank,
+                 message=_text(message), evidence=ev)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return "" if value is None else str(value)
