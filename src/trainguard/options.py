@@ -71,6 +71,31 @@ def port_or_zero(text: str) -> int:
 port_or_zero.__name__ = "port"
 
 
+def endpoint(text: str) -> str:
+    """An argparse ``type``: HOST, HOST:PORT or [V6]:PORT, the port 1..65535 where given."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else None
+        if rest and port_text is None:
+            raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, None
+    if not host or any(c.isspace() or c in "/@?#" for c in host):
+        raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+    if port_text is not None:
+        try:
+            port(port_text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected HOST[:PORT] with a port 1-65535, got {text!r}") from None
+    return text
+
+
+endpoint.__name__ = "endpoint"
+
+
 def dir_path(text: str) -> str:
     """An argparse ``type``: a path that is a directory where it exists (a missing one is the
     caller's to judge: a check may skip it)."""

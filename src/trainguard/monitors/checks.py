@@ -38,6 +38,7 @@ from trainguard.checks.items import (
     hardware_check,
     passed,
     run_checks,
+    skip_item,
 )
 from trainguard.checks.nodecheck_cli import add_check_arguments, config_from
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker, get_when_set
@@ -131,7 +132,7 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--check-require-cuda-toolkit", action="store_true", help="fail the pre-check without nvcc"
     )
-    g.add_argument("--check-skip", action="append", default=[], metavar="ITEM", help="leave out an item")
+    g.add_argument("--check-skip", action="append", default=[], metavar="ITEM", type=skip_item, help="leave out an item")
     g.add_argument("--check-wait", type=seconds, default=None, metavar="SECONDS",
                    help=f"how long agents wait for each other's pre-check results (default {d.wait_s:g})")  # fmt: skip
     g.add_argument("--node-check", action="store_true",
