@@ -29,6 +29,9 @@ from typing import IO
 class UnsafeFile(OSError):
     """A path that is not a regular file of its own (a symlink, a FIFO, a device, a directory)."""
 
+    def __str__(self) -> str:  # the one line a command prints, without "[Errno 1]"
+        return str(self.strerror)
+
 
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),

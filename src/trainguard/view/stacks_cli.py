@@ -95,7 +95,12 @@ def main(args: argparse.Namespace) -> int:
         results += [(name, stacks.to_dict(d)) for d in stacks.dump_all(pids).values()]
     problems = []
     if remote:
-        answers, missing = _ask_agents(run_dir, remote, args.timeout)
+        try:
+            answers, missing = _ask_agents(run_dir, remote, args.timeout)
+        except OSError as exc:  # a read-only run dir, or stacks/ is not a directory
+            print(f"trainguard stacks: error: cannot ask the agents through {run_dir / req.STACKS_DIR}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
         for name, answer in answers.items():
             results += [(name + " via its agent", d) for d in answer.get("dumps") or []]
         problems += [f"no answer from the agent of node {n} in {args.timeout:g} s (agent gone, or the run dir is "

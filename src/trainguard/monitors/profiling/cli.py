@@ -39,8 +39,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         current = pf.read_switch(run_dir)
     except ValueError as exc:
-        print(f"trainguard profile: warning: ignoring unreadable switch file: {exc}", file=sys.stderr)
         current = None
+        if args.state is None:  # when switching, the new switch replaces it (or the write says why not)
+            print(f"trainguard profile: warning: ignoring unreadable switch file: {exc}", file=sys.stderr)
     if args.state is None:
         if args.comm is not None:
             print("trainguard profile: error: --comm needs a state (on|off)", file=sys.stderr)
