@@ -277,10 +277,13 @@ class RunEvents:
     database) is skipped until it can, and named in ``problems``.
 
     ``skip_nodes``: nodes whose databases are not read (an agent reading the other nodes' events).
-    ``path`` may also be one ``.db`` file."""
+    ``path`` may also be one ``.db`` file. ``wait_s``: how long the first read of a database waits
+    for a writer holding its lock (a command's answer depends on it; an agent's thread passes 0)."""
 
-    def __init__(self, path: str | Path, skip_nodes: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(self, path: str | Path, skip_nodes: set[str] | frozenset[str] = frozenset(),
+                 wait_s: float = READ_RETRY_S) -> None:
         path = Path(path)
+        self.wait_s = wait_s  # how long a database's first read waits out a writer's lock
         self.single = path if path.suffix == ".db" and not path.is_dir() else None
         self.run_dir = path.parent if self.single else path
         self.skip_nodes = set(skip_nodes)
@@ -305,7 +308,7 @@ class RunEvents:
     def _read_one(self, db: Path, kinds: list[str] | None, min_severity: Severity | None) -> list[Event]:
         # A database never read yet waits out a busy writer (READ_RETRY_S): its first read decides
         # whether a command answers at all. Later reads skip it until the next poll.
-        deadline = time.monotonic() + (READ_RETRY_S if db not in self._after else 0.0)
+        deadline = time.monotonic() + (self.wait_s if db not in self._after else 0.0)
         while True:
             try:
                 events = self._query(db, kinds)

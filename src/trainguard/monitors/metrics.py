@@ -128,7 +128,7 @@ class MetricsMonitor(Monitor):
                 ctx.events.emit("metrics_listening", f"Prometheus metrics on http://{self.exporter.endpoint}/metrics",
                                 evidence={"endpoint": self.exporter.endpoint, "port": self.exporter.port,
                                           "textfile": self.exporter.textfile})
-            self._events = EventTail(ctx.run_dir, skip_nodes={ctx.node})  # its own events come from the bus
+            self._events = EventTail(ctx.run_dir, skip_nodes={ctx.node}, wait_s=0.0)  # its own events come from the bus
             self._thread = threading.Thread(target=self._loop, name="trainguard-metrics", daemon=True)
             self._thread.start()
         return None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trainguard import runfiles
 from trainguard.events.model import Event
-from trainguard.events.store import RunEvents, event_dbs
+from trainguard.events.store import READ_RETRY_S, RunEvents, event_dbs
 from trainguard.monitors.profiling.files import PROFILING_DIR
 
 HANG_GLOB = "hang-*.txt"
@@ -66,9 +66,10 @@ class EventTail:
     """New events of a run since the last call: every node's, merged (see events/store.py).
     ``skip_nodes``: nodes whose events are not read (an agent tailing the other nodes)."""
 
-    def __init__(self, run_dir: Path, skip_nodes: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(self, run_dir: Path, skip_nodes: set[str] | frozenset[str] = frozenset(),
+                 wait_s: float = READ_RETRY_S) -> None:
         self.run_dir = Path(run_dir)
-        self._events = RunEvents(self.run_dir, skip_nodes)
+        self._events = RunEvents(self.run_dir, skip_nodes, wait_s)
 
     def read(self) -> list[Event]:
         return self._events.read()
