@@ -6,8 +6,12 @@ code 2 — never a traceback, never a hang (issue 18).
 
 Cases run as real processes (``python -m trainguard ...``) on real files made in a temporary
 directory: garbage and directory event databases, read-only run dirs, crafted logs, out-of-range
-ports and numbers. ``run`` cases stop before any worker starts (their flags are refused), so the
-sweep takes a minute, not an hour. tests/test_badinput.py runs the same table.
+ports and numbers; every reader of a run dir against every run-dir file damaged, missing, a
+FIFO, a symlink or a directory (issue 28), the dashboard served and fetched; ``trace -o`` and
+``profile`` targets that must be left as they were (an after-check says so). ``run`` cases stop
+before any worker starts (their flags are refused). tests/test_badinput.py runs the same table.
+
+    python bench/badinput.py --jobs 3 --match "hot journal"
 
 Outcomes: ``answer`` (exit 0 or 1, no traceback), ``usage`` (exit 2, one line on stderr), ``traceback``
 (a Python traceback anywhere in the output), ``hang`` (still running after the time limit), and
