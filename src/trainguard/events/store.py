@@ -221,9 +221,12 @@ def _prepare_writable(path: Path) -> None:
     """Create ``path`` as a regular file, refusing a symlink (dangling ones too), a FIFO or a device
     there, a symlinked ``events/`` directory and symlinked journal files: SQLite follows links, and
     would write another application's database or create a file outside the run dir."""
-    runfiles.safe_dir(path.parent)
+    ours = path.parent.name == EVENTS_DIR  # the run dir itself may be a link the user made; events/ not
+    if ours:
+        runfiles.safe_dir(path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
-    runfiles.safe_dir(path.parent)  # made by someone else between the two
+    if ours:
+        runfiles.safe_dir(path.parent)  # made by someone else between the two
     for side in SIDE_FILES:
         side_path = path.with_name(path.name + side)
         if os.path.lexists(side_path) and not runfiles.is_regular(side_path):
