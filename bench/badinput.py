@@ -6,8 +6,12 @@ code 2 — never a traceback, never a hang (issue 18).
 
 Cases run as real processes (``python -m trainguard ...``) on real files made in a temporary
 directory: garbage and directory event databases, read-only run dirs, crafted logs, out-of-range
-ports and numbers. ``run`` cases stop before any worker starts (their flags are refused), so the
-sweep takes a minute, not an hour. tests/test_badinput.py runs the same table.
+ports and numbers; every reader of a run dir against every run-dir file damaged, missing, a
+FIFO, a symlink or a directory (issue 28), the dashboard served and fetched; ``trace -o`` and
+``profile`` targets that must be left as they were (an after-check says so). ``run`` cases stop
+before any worker starts (their flags are refused). tests/test_badinput.py runs the same table.
+
+    python bench/badinput.py --jobs 3 --match "hot journal"
 
 Outcomes: ``answer`` (exit 0 or 1, no traceback), ``usage`` (exit 2, one line on stderr), ``traceback``
 (a Python traceback anywhere in the output), ``hang`` (still running after the time limit), and
@@ -24,6 +28,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +43,11 @@ class Case:
     name: str
     argv: tuple[str, ...]  # "{d}" is the case's temporary directory
     setup: Callable[[Path], None] | None = None
-    expect: str = "usage"  # what a right answer is: "usage" or "answer"
+    expect: str = "usage"  # what a right answer is: "usage", "answer", or "answer|usage" (either)
     env: dict[str, str] = field(default_factory=dict)
+    # after the command: None when what it must leave alone is as it was, else what is wrong
+    after: Callable[[Path], str | None] | None = None
+    serve: tuple[str, ...] = ()  # a dashboard case: these paths are fetched, then the server is stopped
 
 
 def _garbage_db(d: Path) -> None:
@@ -170,6 +178,318 @@ CASES: list[Case] = [
 ]
 
 
+# ---- run-dir files: every reader against every way a file can be damaged (issue 28) -------------
+VICTIM = "victim.txt"  # a file outside the run dir that links point to: it must never change
+VICTIM_TEXT = "another application's file\n"
+
+
+def _dead_pid() -> int:
+    """A pid nobody has now: a job's workers that are gone (no command may act on an unrelated one)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _events(d: Path, evidence: dict | None = None, rows: list[tuple] = ()) -> Path:
+    from trainguard.events import EventBus, EventStore
+    from trainguard.events.store import node_db_path
+
+    db = node_db_path(d / "run", "n0")
+    store = EventStore(db)
+    bus = EventBus(store, node="n0")
+    bus.emit("job_started", "go", evidence=evidence or {"pids": {"0": _dead_pid()}, "attempt": 0, "max_restarts": 3})
+    bus.emit("restart", "again", evidence={"max_restarts": 3})
+    if rows:
+        store._conn.executemany("INSERT INTO events(time, kind, severity, node, rank, message, evidence) "
+                                "VALUES (?,?,?,?,?,?,?)", rows)
+    store.close()
+    return db
+
+
+def _victim(d: Path) -> Path:
+    v = d / VICTIM
+    v.write_text(VICTIM_TEXT)
+    return v
+
+
+def _victim_unchanged(d: Path) -> str | None:
+    v = d / VICTIM
+    if not v.is_file() or v.read_text() != VICTIM_TEXT:
+        return f"{v} was changed through a link"
+    return None
+
+
+def _records(d: Path, rank: int = 0) -> Path:
+    prof = d / "run" / "profiling" / str(rank)
+    prof.mkdir(parents=True, exist_ok=True)
+    return prof
+
+
+def _span(rank: object = 0, start: object = 1_800_000_001 * 10**9, end: object = 1_800_000_001 * 10**9 + 5 * 10**8) -> str:
+    import json
+
+    return json.dumps({"rank": rank, "kind": "Step", "step": 1, "start_ns": start, "end_ns": end}) + "\n"
+
+
+def _hot_journal(d: Path) -> None:
+    """The event writer SIGKILLed in the middle of a transaction: a hot journal beside the database."""
+    _events(d)
+    code = ("import sys, time\nfrom trainguard.events import EventStore\nfrom trainguard.events.store import node_db_path\n"
+            "s = EventStore(node_db_path(sys.argv[1], 'n0'))\ns._conn.execute('BEGIN IMMEDIATE')\n"
+            "for i in range(20000):\n    s._conn.execute(\"INSERT INTO events(time, kind, severity, node, rank, message, "
+            "evidence) VALUES (1, 'torn', 'info', 'n0', 0, ?, '{}')\", ('x' * 500,))\nprint('ready', flush=True)\n"
+            "time.sleep(600)\n")
+    w = subprocess.Popen([sys.executable, "-c", code, str(d / "run")], stdout=subprocess.PIPE, text=True)
+    w.stdout.readline()
+    w.kill()
+    w.wait()
+    w.stdout.close()
+
+
+def _sqlite(d: Path, sql: str) -> None:
+    import sqlite3
+
+    db = d / "run" / "events" / "n0.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(db)
+    conn.executescript(sql)
+    conn.commit()
+    conn.close()
+
+
+def _then(*steps: Callable[[Path], object]) -> Callable[[Path], None]:
+    def setup(d: Path) -> None:
+        for step in steps:
+            step(d)
+
+    return setup
+
+
+def _db(d: Path) -> Path:
+    return d / "run" / "events" / "n0.db"
+
+
+# name -> setup: a run dir ("{d}/run") with one file damaged, missing, or not a file
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "a good run dir": _events,
+    "events/ is a file": lambda d: ((d / "run").mkdir(), (d / "run" / "events").write_text("x")),
+    "events/n0.db is a directory": lambda d: _db(d).mkdir(parents=True),
+    "events/n0.db is a FIFO": lambda d: (_db(d).parent.mkdir(parents=True), os.mkfifo(_db(d))),
+    "events/n0.db links to another file": lambda d: (_db(d).parent.mkdir(parents=True), _db(d).symlink_to(_victim(d))),
+    "events/n0.db is a dangling link": lambda d: (_db(d).parent.mkdir(parents=True), _db(d).symlink_to(d / "nowhere.db")),
+    "events/n0.db is empty": lambda d: (_db(d).parent.mkdir(parents=True), _db(d).write_bytes(b"")),
+    "events/n0.db is garbage": lambda d: (_db(d).parent.mkdir(parents=True), _db(d).write_bytes(os.urandom(8192))),
+    "events/n0.db cut in half": lambda d: (_events(d), _db(d).write_bytes(_db(d).read_bytes()[:4096])),
+    "events/n0.db has a hot journal": _hot_journal,
+    "events/n0.db has no events table": lambda d: _sqlite(d, "CREATE TABLE other (x);"),
+    "events table misses columns": lambda d: _sqlite(d, "CREATE TABLE events (id INTEGER PRIMARY KEY, kind TEXT);"
+                                                        "INSERT INTO events(kind) VALUES ('job_started');"),
+    "text in the time column": lambda d: _events(d, rows=[("noon", "job_started", "info", "n0", "r0", "m", "{}")]),
+    "out-of-range times and ranks": lambda d: _events(d, rows=[(1e300, "restart", "info", "n0", 10**15, "m", "{}"),
+                                                              (-1e300, "job_started", "info", "n0", -5, "m", "{}")]),
+    "wrong column types": lambda d: _events(d, rows=[(1.5, 5, 7, 8, "x", b"\x00\xff", "not json")]),
+    "wrong-typed event details": lambda d: _events(d, {"pids": {"0": "abc", "x": 5}, "attempt": "zero",
+                                                      "max_restarts": [1]}),
+    "details not an object": lambda d: _events(d, rows=[(1.0, "job_started", "info", "n0", None, "m", "[1, 2]"),
+                                                       (2.0, "node_held", "info", "n0", None, "m", '{"until": "x"}')]),
+    "pids a list": lambda d: _events(d, {"pids": [1, 2], "attempt": 0}),
+    "deeply nested details": lambda d: _events(d, rows=[(1.0, "diagnosis", "info", "n0", 0, "m", "[" * 100000)]),
+    "old run-wide events.db is garbage": lambda d: ((d / "run").mkdir(), (d / "run" / "events.db").write_bytes(b"junk" * 100)),
+    "profiling/ is a file": lambda d: (_events(d), (d / "run" / "profiling").write_text("x")),
+    "profiling/0 is a file": lambda d: (_events(d), (d / "run" / "profiling").mkdir(),
+                                        (d / "run" / "profiling" / "0").write_text("x")),
+    "a record file is a directory": lambda d: (_events(d), (_records(d) / "1000").mkdir()),
+    "a record file is a FIFO": lambda d: (_events(d), os.mkfifo(_records(d) / "1000")),
+    "a record file links outside": lambda d: (_events(d), (_records(d) / "1000").symlink_to(_victim(d))),
+    "a record file is binary": lambda d: (_events(d), (_records(d) / "1000").write_bytes(os.urandom(65536))),
+    "records with out-of-range numbers": lambda d: (_events(d), (_records(d) / "1000").write_text(
+        _span(rank=10**20) + _span(start=10**40, end=10**41) + _span(start="x") + _span(rank=-1) + "[1]\n{}\n")),
+    "records of a rank never started": lambda d: (_events(d), (_records(d, 7) / "1000").write_text(_span(rank=7) * 3)),
+    "profiling-switch.json is a directory": lambda d: (_events(d), (d / "run" / "profiling-switch.json").mkdir()),
+    "profiling-switch.json is a FIFO": lambda d: (_events(d), os.mkfifo(d / "run" / "profiling-switch.json")),
+    "profiling-switch.json links outside": lambda d: (_events(d), (d / "run" / "profiling-switch.json").symlink_to(_victim(d))),
+    "profiling-switch.json is a JSON list": lambda d: (_events(d), (d / "run" / "profiling-switch.json").write_text("[1]")),
+    "a hang report is a directory": lambda d: (_events(d), (d / "run" / "hang-1.txt").mkdir()),
+    "a hang report is a FIFO": lambda d: (_events(d), os.mkfifo(d / "run" / "hang-1.txt")),
+    "a hang report links outside": lambda d: (_events(d), (d / "run" / "hang-1.txt").symlink_to(_victim(d))),
+    "a hang report is a dangling link": lambda d: (_events(d), (d / "run" / "hang-1.txt").symlink_to(d / "gone")),
+    "stacks/ is a file": lambda d: (_events(d), (d / "run" / "stacks").write_text("x")),
+    "chaos/ is a file": lambda d: (_events(d), (d / "run" / "chaos").write_text("x")),
+    "the run dir is a link to a run dir": lambda d: (_events(d), (d / "real").mkdir(), (d / "run").rename(d / "real" / "run"),
+                                                      (d / "run").symlink_to(d / "real" / "run")),
+}
+
+# the readers of a run dir (the dashboard is served and fetched: see _serve)
+READERS: dict[str, tuple[str, ...]] = {
+    "events": ("events", "{d}/run"),
+    "status": ("status", "--once", "{d}/run"),
+    "status --json": ("status", "--json", "{d}/run"),
+    "trace": ("trace", "{d}/run", "-o", "{d}/trace.json"),
+    "stacks": ("stacks", "{d}/run", "--timeout", "1"),
+    "chaos": ("chaos", "{d}/run", "kill", "--rank", "0"),
+    "profile": ("profile", "{d}/run"),
+    "dashboard": ("dashboard", "{d}/run", "--port", "0"),
+}
+DASHBOARD_FETCH = ("", "static/app.js", "api/state", "api/state?after=1", "api/hang?name=hang-1.txt",
+                   "api/hang?name=../victim.txt", "api/nothing")
+
+
+def _damage_cases() -> list[Case]:
+    out = []
+    for damage, setup in DAMAGE.items():
+        for reader, argv in READERS.items():
+            after = _victim_unchanged if "outside" in damage or "another file" in damage else None
+            out.append(Case(f"{reader}: {damage}", argv, setup, expect="answer|usage", after=after,
+                            serve=DASHBOARD_FETCH if reader == "dashboard" else ()))
+    return out
+
+
+def _fifo(d: Path, name: str) -> None:
+    os.mkfifo(d / name)
+
+
+def _device(d: Path) -> None:
+    import stat
+
+    if os.geteuid() == 0:
+        os.mknod(d / "dev", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    else:  # not root: a FIFO stands in for the device
+        os.mkfifo(d / "dev")
+
+
+def _kept(path: str, kind: str) -> Callable[[Path], str | None]:
+    """The thing at ``path`` (relative to the case dir) is still a ``kind`` afterwards."""
+    import stat
+
+    tests = {"link": stat.S_ISLNK, "fifo": stat.S_ISFIFO, "device": lambda m: stat.S_ISCHR(m) or stat.S_ISFIFO(m),
+             "file": stat.S_ISREG, "dir": stat.S_ISDIR}
+
+    def check(d: Path) -> str | None:
+        try:
+            mode = os.lstat(d / path).st_mode
+        except OSError:
+            return f"{path} is gone"
+        if not tests[kind](mode):
+            return f"{path} was replaced"
+        return _victim_unchanged(d) if (d / VICTIM).exists() else None
+
+    return check
+
+
+def _db_intact(d: Path) -> str | None:
+    import sqlite3
+
+    try:
+        rows = sqlite3.connect(f"file:{_db(d)}?mode=ro", uri=True).execute("SELECT count(*) FROM events").fetchone()
+    except sqlite3.Error as exc:
+        return f"the event database was clobbered: {exc}"
+    return None if rows[0] == 2 else f"the event database has {rows[0]} events, not 2"
+
+
+TRACE_TARGETS: list[Case] = [
+    Case("trace -o: a link to another file", ("trace", "{d}/run", "-o", "{d}/link.json"),
+         _then(_events, lambda d: (d / "link.json").symlink_to(_victim(d))), after=_kept("link.json", "link")),
+    Case("trace -o: a dangling link", ("trace", "{d}/run", "-o", "{d}/link.json"),
+         _then(_events, lambda d: (d / "link.json").symlink_to(d / "nowhere" / "x")), after=_kept("link.json", "link")),
+    Case("trace -o: a FIFO", ("trace", "{d}/run", "-o", "{d}/fifo"), _then(_events, lambda d: _fifo(d, "fifo")),
+         after=_kept("fifo", "fifo")),
+    Case("trace -o: a device", ("trace", "{d}/run", "-o", "{d}/dev"), _then(_events, _device), after=_kept("dev", "device")),
+    Case("trace -o: the run's event database", ("trace", "{d}/run", "-o", "{d}/run/events/n0.db"), _events,
+         after=_db_intact),
+    Case("trace -o: the event database's journal", ("trace", "{d}/run", "-o", "{d}/run/events/n0.db-journal"),
+         _then(_events, lambda d: _db(d).with_name("n0.db-journal").write_bytes(b"")), after=_kept("run/events/n0.db-journal", "file")),
+    Case("trace -o: a directory", ("trace", "{d}/run", "-o", "{d}/run"), _events, after=_kept("run", "dir")),
+    Case("trace -o: in a missing directory", ("trace", "{d}/run", "-o", "{d}/nope/t.json"), _events),
+    Case("trace -o: in a read-only directory", ("trace", "{d}/run", "-o", "{d}/ro/t.json"),
+         _then(_events, lambda d: (d / "ro").mkdir(), lambda d: make_read_only(d / "ro"))),
+    Case("trace -o: an empty name", ("trace", "{d}/run", "-o", ""), _events),
+    Case("trace -o: a regular file is replaced", ("trace", "{d}/run", "-o", "{d}/t.json"),
+         _then(_events, lambda d: (d / "t.json").write_text("old")), expect="answer", after=_kept("t.json", "file")),
+    Case("trace -o -: stdout", ("trace", "{d}/run", "-o", "-"), _events, expect="answer"),
+    Case("trace --kind bogus", ("trace", "{d}/run", "-o", "-", "--kind", "bogus"), _events, expect="answer"),
+    Case("profile on: the switch links to another file", ("profile", "{d}/run", "on"),
+         _then(_events, lambda d: (d / "run" / "profiling-switch.json").symlink_to(_victim(d))),
+         after=_kept("run/profiling-switch.json", "link")),
+    Case("profile on: the switch is a FIFO", ("profile", "{d}/run", "on"),
+         _then(_events, lambda d: _fifo(d / "run", "profiling-switch.json")), after=_kept("run/profiling-switch.json", "fifo")),
+    Case("profile on: not a run dir", ("profile", "{d}", "on"),
+         after=lambda d: "a switch file was written" if (d / "profiling-switch.json").exists() else None),
+    Case("profile on: a good run dir", ("profile", "{d}/run", "on"), _events, expect="answer"),
+]
+
+
+def _flag_cases() -> list[Case]:
+    """Numbers and names at every command's parser: NaN, infinities, out of range, not numbers."""
+    run = ("run", "--standalone", "--run-dir", "{d}/r", "--nproc-per-node", "1", "--precheck", "off")
+    table: list[tuple[tuple[str, ...], Callable[[Path], None] | None, str, tuple[str, ...]]] = [
+        (("diagnose", "{d}/train.log", "--threshold"), _log("x\n"), "", ("nan", "inf", "-1", "0", "abc")),
+        (("diagnose", "{d}/train.log", "--max-mb"), _log("x\n"), "", ("nan", "inf", "-inf", "0", "abc")),
+        (("diagnose", "{d}/train.log", "--window"), _log("x\n"), "", ("0", "-3", "1.5", "nan")),
+        (("slowdown", "{d}/train.log", "--threshold"), _log("x\n"), "", ("nan", "inf", "-1", "0")),
+        (("slowdown", "{d}/train.log", "--rank"), _log("x\n"), "", ("-1", "abc")),
+        (("chaos", "{d}/run", "fill-disk", "--rank", "0", "--path", "{d}", "--leave-mb"), _events, "", ("nan", "inf", "-1")),
+        (("chaos", "{d}/run", "fill-disk", "--rank", "0", "--path", "{d}", "--size-mb"), _events, "", ("nan", "0", "inf")),
+        (("chaos", "{d}/run", "slow", "--rank", "0", "--duration"), _events, "", ("nan", "inf", "1e308", "0")),
+        (("chaos", "{d}/run", "slow", "--rank", "0", "--percent"), _events, "", ("nan", "-5")),
+        (("chaos", "{d}/run", "kill", "--rank"), _events, "", ("abc", "1.5")),
+        (("nodecheck", "--local", "2", "--timeout"), None, "", ("1e308", "inf", "0", "-1")),
+        (("nodecheck", "--local", "2", "--coll-mb"), None, "", ("nan", "0")),
+        (("stacks", "{d}/run", "--timeout"), _events, "", ("nan", "inf", "1e308", "0")),
+        (("status", "--once", "{d}/run", "--interval"), _events, "", ("nan", "inf", "1e308", "0")),
+        (("events", "{d}/run", "--interval"), _events, "", ("1e308", "nan")),
+        (("dashboard", "{d}/run", "--port"), _events, "", ("-1", "abc", "65536", "1e3")),
+        (("check", "--dns-timeout"), None, "", ("nan", "1e308", "inf")),
+        (("check", "--check-disk-cache-gb"), None, "", ("nan", "-1")),
+        (("check", "--ulimit-nproc"), None, "", ("-1", "1e3")),
+        ((*run, "--monitor-interval"), None, "", ("nan", "inf")),
+        ((*run, "--worker-stop-timeout"), None, "", ("-1", "nan", "1e308")),
+        ((*run, "--slowdown-threshold"), None, "", ("nan",)),
+        ((*run, "--diagnose-max-mb"), None, "", ("inf",)),
+        ((*run, "--heartbeat-interval"), None, "", ("1e308",)),
+    ]
+    out = []
+    for argv, setup, _, values in table:
+        for v in values:
+            out.append(Case(f"{argv[0]}: {argv[-1]} {v}", (*argv, v, *((str(EXAMPLE),) if argv[0] == "run" else ())),
+                            setup))
+    return out
+
+
+OTHER_CASES: list[Case] = [
+    Case("dashboard: --host 0.0.0.0 --token ''", ("dashboard", "{d}/run", "--host", "0.0.0.0", "--port", "0", "--token", ""), _events),
+    Case("dashboard: --host 0.0.0.0 --token short", ("dashboard", "{d}/run", "--host", "0.0.0.0", "--port", "0", "--token", "abc"), _events),
+    Case("dashboard: --host not an address", ("dashboard", "{d}/run", "--host", "no.such.host.invalid", "--port", "0"), _events),
+    Case("check: --skip bogus", ("check", "--skip", "bogus")),
+    Case("check: --rdzv-endpoint localhost:notaport", ("check", "--rdzv-endpoint", "localhost:notaport")),
+    Case("check: --rdzv-endpoint host:0", ("check", "--rdzv-endpoint", "host:0")),
+    Case("check: a binary host file", ("check", "--hostfile", "{d}/bin.host", "--skip", "gpu-check"),
+         lambda d: (d / "bin.host").write_bytes(b"node\x00\xff\xfe\x89PNG"), expect="answer"),
+    Case("check: a FIFO host file", ("check", "--hostfile", "{d}/fifo.host", "--skip", "gpu-check"),
+         lambda d: _fifo(d, "fifo.host"), expect="answer"),
+    Case("nodecheck: unreachable store --timeout 5", ("nodecheck", "--node-rank", "1", "--nnodes", "2", "--master-addr",
+                                                     "127.0.0.1", "--master-port", "9", "--timeout", "5"), expect="answer"),
+    Case("diagnose: an empty directory", ("diagnose", "{d}/logs"), lambda d: (d / "logs").mkdir(), expect="answer"),
+    Case("diagnose: --rules is a directory", ("diagnose", "--rules", "{d}", "{d}/train.log"), _log("x\n")),
+    Case("diagnose: --rules is garbage", ("diagnose", "--rules", "{d}/r.toml", "{d}/train.log"),
+         _then(_log("x\n"), lambda d: (d / "r.toml").write_bytes(b"\x00[[[")) ),
+    Case("slowdown: 0 ms steps", ("slowdown", "{d}/train.log"),
+         _log("".join(f"step={i} elapsed time per iteration (ms): 0.0\n" for i in range(1, 60))), expect="answer"),
+    Case("run: --notify notaurl", (*("run", "--standalone", "--run-dir", "{d}/r", "--nproc-per-node", "1"), "--notify",
+                                    "notaurl", str(EXAMPLE))),
+    Case("run: events/<node>.db is a dangling link", ("run", "--standalone", "--run-dir", "{d}/r", "--node-name", "n0",
+                                                      "--nproc-per-node", "1", "--precheck", "off", str(EXAMPLE)),
+         lambda d: ((d / "r" / "events").mkdir(parents=True), (d / "r" / "events" / "n0.db").symlink_to(d / "outside.db")),
+         after=lambda d: "the link's target was created" if (d / "outside.db").exists() else None),
+    Case("profile: --comm without a state", ("profile", "{d}/run", "--comm", "on"), _events),
+    Case("events: --severity bogus --follow", ("events", "{d}/run", "--severity", "bogus", "-f"), _events),
+    Case("events: a .db file that links outside", ("events", "{d}/run/events/n0.db"),
+         lambda d: (_db(d).parent.mkdir(parents=True), _db(d).symlink_to(_victim(d))), expect="answer|usage",
+         after=_victim_unchanged),
+]
+
+CASES += TRACE_TARGETS + OTHER_CASES + _flag_cases() + _damage_cases()
+
+
 @dataclass
 class Result:
     case: Case
@@ -177,9 +497,11 @@ class Result:
     rc: int | None
     first_line: str
 
+    problem: str | None = None  # what the case's after-check found
+
     @property
     def right(self) -> bool:
-        return self.outcome == self.case.expect
+        return self.outcome in self.case.expect.split("|") and self.problem is None
 
 
 def classify(rc: int | None, stdout: str, stderr: str) -> str:
@@ -205,6 +527,7 @@ def run_case(case: Case, time_limit_s: float = TIME_LIMIT_S) -> Result:
         proc = subprocess.Popen([sys.executable, "-m", "trainguard", *argv], cwd=d, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
+        problem, first = _serve(proc, case.serve, time_limit_s) if case.serve else (None, "")
         try:
             out, err = proc.communicate(timeout=time_limit_s)
             rc: int | None = proc.returncode
@@ -212,28 +535,59 @@ def run_case(case: Case, time_limit_s: float = TIME_LIMIT_S) -> Result:
             os.killpg(proc.pid, 9)
             out, err = proc.communicate()
             rc = None
-        lines = (err.strip() or out.strip()).splitlines()
-        return Result(case, classify(rc, out, err), rc, lines[-1] if lines else "")
+        if problem is None and case.after is not None and rc is not None:
+            problem = case.after(d)
+        lines = (err.strip() or (first + out).strip()).splitlines()
+        return Result(case, classify(rc, first + out, err), rc, problem or (lines[-1] if lines else ""), problem)
     finally:
-        for p in (d / "run", d):
+        for p in (d / "run", d / "ro", d):
             if p.exists():
                 undo_read_only(p)
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _serve(proc: subprocess.Popen, paths: tuple[str, ...], time_limit_s: float) -> tuple[str | None, str]:
+    """Fetch ``paths`` from a dashboard once it prints its URL, then stop it (SIGTERM). Returns what
+    went wrong (None: every answer was 200 or 404) and the line read."""
+    import select
+    import urllib.error
+    import urllib.request
+
+    ready, _, _ = select.select([proc.stdout], [], [], time_limit_s)
+    line = proc.stdout.readline() if ready else ""
+    if " on http://" not in line:
+        return None, line  # it stopped (a usage error) or never listened: the outcome tells
+    url = line.split(" on ", 1)[1].split()[0].split("?")[0]
+    problem = None
+    for path in paths:
+        try:
+            with urllib.request.urlopen(url + path, timeout=30) as r:
+                r.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                problem = f"GET {path}: HTTP {exc.code}"
+        except OSError as exc:
+            problem = f"GET {path}: {exc}"
+    proc.send_signal(15)
+    return problem, line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="only the cases of this command")
+    ap.add_argument("--match", help="only the cases whose name contains this")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
     args = ap.parse_args()
-    cases = [c for c in CASES if args.only is None or c.argv[0] == args.only]
+    cases = [c for c in CASES if (args.only is None or c.argv[0] == args.only)
+             and (args.match is None or args.match in c.name)]
     counts: Counter[str] = Counter()
     wrong = 0
-    for case in cases:
-        r = run_case(case)
-        counts[r.outcome] += 1
-        wrong += not r.right
-        mark = "ok " if r.right else "BAD"
-        print(f"{mark} {r.outcome:<9} rc={r.rc!s:<4} {case.name:<45} {r.first_line[:110]}", flush=True)
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for r in pool.map(run_case, cases):
+            counts[r.outcome] += 1
+            wrong += not r.right
+            mark = "ok " if r.right else "BAD"
+            print(f"{mark} {r.outcome:<9} rc={r.rc!s:<4} {r.case.name:<45} {r.first_line[:110]}", flush=True)
     print(f"\n{len(cases)} cases: " + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES) + f"; not as expected: {wrong}")
     return 1 if wrong else 0
 

@@ -421,3 +421,23 @@ def test_nvml_probe_reads_health_and_utilisation_through_the_pynvml_api(monkeypa
         assert not I.hardware_check(cfg(), {}).healthy
     finally:
         nvml._state["initialised"] = False
+
+
+def test_check_refuses_unknown_items_bad_ports_and_binary_host_files(tmp_path, capsys):
+    """Issue 28 item 15: an unknown --skip and `localhost:notaport` were accepted; a binary host
+    file was read as host names."""
+    from trainguard.checks.items import CheckConfig, check_dns
+    from trainguard.cli import main as cli_main
+
+    for argv in (["--skip", "bogus"], ["--rdzv-endpoint", "localhost:notaport"], ["--rdzv-endpoint", "[::1]:0"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["check", *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error" in err[0], err
+    hosts = tmp_path / "job.host"
+    hosts.write_bytes(b"node-1\x00\xff\xfe\x89PNG\r\n")
+    r = check_dns(CheckConfig(hostfile_globs=[str(hosts)]))
+    assert r.status == "failed" and "not a text host file" in r.detail, r
+    hosts.write_text("node-1 node-2\n")
+    assert "not a" not in check_dns(CheckConfig(hostfile_globs=[str(hosts)], dns_timeout_s=1)).detail

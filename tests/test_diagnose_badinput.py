@@ -51,7 +51,7 @@ def test_truncated_gz_is_read_up_to_the_cut_and_says_so(tmp_path: Path):
 def test_a_gz_that_is_not_gzip_gives_an_answer_and_a_note(tmp_path: Path):
     (tmp_path / "rank-0.log.gz").write_bytes(b"this is not gzip data at all\n" * 10)
     r = diagnose_paths([tmp_path])
-    assert r["category"] == "healthy" and any("rank-0.log.gz" in n for n in r["notes"])
+    assert r["category"] == "no_logs" and any("rank-0.log.gz" in n for n in r["notes"])  # nothing read: not "healthy"
 
 
 def test_special_files_in_a_directory_are_skipped_not_read(tmp_path: Path):
@@ -197,3 +197,14 @@ def test_reused_read_buffer_gives_every_line_once_with_its_number_and_offset(
     start = len(data) - len(tail)
     assert tail and data[start:] == tail and data[start - 1 : start] == b"\n"
     assert len(data) - 40 * chunk <= start
+
+
+def test_nothing_read_is_not_called_healthy(tmp_path: Path):
+    """Issue 28 item 15: an empty directory or an empty log was diagnosed "healthy"."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "empty.log").write_bytes(b"")
+    for path in (tmp_path / "logs", tmp_path / "empty.log"):
+        r = diagnose_paths([path])
+        assert r["category"] == "no_logs" and r["confidence"] == "none", r
+    (tmp_path / "ok.log").write_text("step=1 loss=1.0\nstep=2 loss=0.9\ntraining finished\n")
+    assert diagnose_paths([tmp_path / "ok.log"])["category"] == "healthy"

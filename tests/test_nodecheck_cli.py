@@ -52,3 +52,33 @@ def test_usage_errors_exit_2(jobs):
     assert jobs("nodecheck", "--local", "2", "--chaos", "5=fail").wait() == 2
     assert jobs("nodecheck", "--chaos", "0=fail").wait() == 2
     assert jobs("nodecheck", "--local", "2", "--chaos", "0=explode").wait() == 2
+
+
+def test_unreachable_store_answers_within_about_the_timeout_in_one_line():
+    """Issue 28 item 12: --timeout 5 against a store nobody listens on took 114 s and printed torch's
+    C++ retry frames; it answers within about the timeout, one line, and exit 1 (faulty)."""
+    import subprocess
+
+    from tgtest import trainguard_cmd
+
+    cmd = trainguard_cmd("nodecheck", "--node-rank", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
+                         "--master-port", str(free_port()), "--timeout", "5")
+    # 5 s of waiting plus a start that imports torch on a loaded machine; torch's own client waits 60 s+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=55, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not reachable within 5 s" in lines[0], done.stderr
+    assert "frame" not in done.stderr and "c10d" not in done.stderr
+
+
+def test_timeouts_are_finite_and_bounded():
+    """Issue 28 item 11: a timeout of 1e308 never answered (clocks and timedeltas overflow)."""
+    import argparse
+
+    from trainguard.options import MAX_SECONDS, number, seconds
+
+    for bad in ("nan", "inf", "-inf", "1e308", "1e400", str(MAX_SECONDS * 2), "0", "-1", "abc"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            seconds(bad)
+    assert seconds("5") == 5.0 and seconds(str(MAX_SECONDS)) == MAX_SECONDS
+    assert number("an integer", integer=True, maximum=10)("10") == 10

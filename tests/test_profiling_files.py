@@ -111,9 +111,17 @@ def run_cli(tmp_path, state=None, comm=None):
     return profile_cli.main(Namespace(run_dir=str(tmp_path), state=state, comm=comm))
 
 
+def make_run_dir(path):
+    from trainguard.events import EventStore
+    from trainguard.events.store import node_db_path
+
+    EventStore(node_db_path(path, "n0")).close()
+
+
 def test_profile_cli(tmp_path, capsys):
     assert run_cli(tmp_path / "nope", "on") == 2
     assert "no run directory" in capsys.readouterr().err
+    make_run_dir(tmp_path)
     assert run_cli(tmp_path) == 0
     assert "no profiling switch" in capsys.readouterr().out
     assert run_cli(tmp_path, "on", "on") == 0
@@ -129,10 +137,32 @@ def test_profile_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["Step"] == "off"
 
 
+def test_profile_switch_only_in_a_run_dir_and_never_through_a_link(tmp_path, capsys):
+    """Issue 28 item 15: `profile /any/dir on` wrote a switch file anywhere; a symlink or FIFO at the
+    switch's name is refused (not written through, not blocked on)."""
+    import os
+
+    assert run_cli(tmp_path, "on") == 2
+    assert "not a trainguard run directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    make_run_dir(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / pf.SWITCH_FILE).symlink_to(victim)
+    assert run_cli(tmp_path, "on") == 2
+    assert "symlink" in capsys.readouterr().err and victim.read_text() == "keep"
+    (tmp_path / pf.SWITCH_FILE).unlink()
+    os.mkfifo(tmp_path / pf.SWITCH_FILE)
+    with pytest.raises(ValueError, match="FIFO"):
+        pf.read_switch(tmp_path)  # the agent's watcher: a warning, not a blocked thread
+    assert run_cli(tmp_path, "on") == 2
+
+
 def test_profile_cli_through_the_entry_point(tmp_path):
     import subprocess
     import sys
 
+    make_run_dir(tmp_path)
     out = subprocess.run(
         [sys.executable, "-m", "trainguard", "profile", str(tmp_path), "sideways"],
         capture_output=True,

@@ -99,19 +99,30 @@ def test_coarse_clock_steps_are_timed_over_ten_ticks():
     assert t.feed(parse_step("step=3", line_time=2000.0)) is None, "a restart re-anchors"
 
 
-def test_zero_time_windows_are_merged_never_a_baseline():
+def test_zero_time_samples_are_never_a_baseline():
     det = SlowdownDetector(window=5, threshold=0.8)
     assert [det.feed(i, 0.0) for i in range(1, 11)] == [None] * 10
-    assert det.baseline_ms is None, "no baseline from windows that took no time"
-    assert det.feed(11, 110.0) is None and det.baseline_ms == 10.0  # 11 iterations merged: 110 ms / 11
-    for i in range(12, 17):
+    assert det.baseline_ms is None, "no baseline from samples that took no time"
+    for i in range(11, 16):
         det.feed(i, 10.0)
+    assert det.baseline_ms == 10.0  # the 0 ms samples are no part of the window
     warns = [det.feed(i, 40.0) for i in range(17, 22)]
     assert warns[-1] is not None and warns[-1].format() == (
         "Smoothed mean (iters 17-21: 40.00 ms, baseline: 10.00 ms), threshold ratio:3.00. Warning"
     )
     multi = detect([(10, 100.0, 10), (20, 100.0, 10), (30, 300.0, 10)])
     assert [(w.first_iter, w.last_iter, w.ratio) for w in multi] == [(21, 30, 2.0)]
+
+
+def test_zero_ms_steps_do_not_drag_the_baseline_down():
+    """Issue 28 item 13: 40 iterations logged at 0 ms before a window of real steps made that
+    window's mean (and the baseline) 1/9 of the real step time; a 2x slowdown then read ratio 17."""
+    samples = [(i, 0.0) for i in range(1, 41)]
+    samples += [(i, 100.0) for i in range(41, 61)]  # 100 ms steps
+    samples += [(i, 200.0) for i in range(61, 71)]  # then 2x slower
+    warns = detect(samples, window=5, threshold=0.8)
+    assert [round(w.ratio, 2) for w in warns] == [1.0, 1.0]
+    assert all(w.baseline_ms == 100.0 for w in warns)
 
 
 def _hf_rank_log(path: Path, slow_from: int) -> Path:
@@ -192,7 +203,9 @@ def test_cli_prints_the_seed_lines(capsys):
 
 def test_cli_bad_usage(tmp_path, capsys):
     assert cli_main(["slowdown", str(tmp_path / "nope.log")]) == 2
-    assert cli_main(["slowdown", str(MEGATRON), "--window", "0"]) == 2
+    with pytest.raises(SystemExit) as exit_:  # refused by the parser: one line, exit 2
+        cli_main(["slowdown", str(MEGATRON), "--window", "0"])
+    assert exit_.value.code == 2
     assert "error" in capsys.readouterr().err
 
 

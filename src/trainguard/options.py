@@ -20,17 +20,24 @@ class SettingsError(ValueError):
     printed as the one error line of the command."""
 
 
-def number(what: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False) -> Callable[[str], Any]:
-    """An argparse ``type``: a finite number above ``minimum`` (or equal to it with ``inclusive``)."""
+MAX_SECONDS = 7 * 86400.0  # the longest timeout a flag takes: larger ones overflow clocks and timedeltas
+
+
+def number(what: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False,
+           maximum: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite number above ``minimum`` (or equal to it with ``inclusive``),
+    and at most ``maximum`` when given. NaN and infinities are refused here, once for every command."""
     bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    if maximum is not None:
+        bound += f" and <= {maximum:g}"
 
     def parse(text: str) -> Any:
         try:
             value: Any = int(text) if integer else float(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         ok = value >= minimum if inclusive else value > minimum
-        if not (ok and math.isfinite(value)):
+        if not (ok and math.isfinite(value)) or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
         return value
 
@@ -42,6 +49,7 @@ positive = number("a number")
 positive_int = number("a positive integer", integer=True)
 non_negative = number("a number", inclusive=True)
 non_negative_int = number("an integer", integer=True, inclusive=True)
+seconds = number("seconds", maximum=MAX_SECONDS)  # a timeout or an interval
 
 
 def port(text: str) -> int:
@@ -61,6 +69,31 @@ def port_or_zero(text: str) -> int:
 
 
 port_or_zero.__name__ = "port"
+
+
+def endpoint(text: str) -> str:
+    """An argparse ``type``: HOST, HOST:PORT or [V6]:PORT, the port 1..65535 where given."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else None
+        if rest and port_text is None:
+            raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, None
+    if not host or any(c.isspace() or c in "/@?#" for c in host):
+        raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+    if port_text is not None:
+        try:
+            port(port_text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected HOST[:PORT] with a port 1-65535, got {text!r}") from None
+    return text
+
+
+endpoint.__name__ = "endpoint"
 
 
 def dir_path(text: str) -> str:

@@ -16,6 +16,7 @@ from torch.distributed.run import get_args_parser
 from trainguard.events import Severity
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.monitors import plugins
+from trainguard.options import seconds
 from trainguard.schedulers import adapter as scheduler
 
 
@@ -56,7 +57,7 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep spare workers with torch imported ready for fast (re)starts: on = forked from a zygote "
         "that imported torch once (default); spawn = separate pre-started interpreters; off = none",
     )
-    g.add_argument("--worker-stop-timeout", type=int, default=15, help="seconds between SIGTERM and SIGKILL")
+    g.add_argument("--worker-stop-timeout", type=seconds, default=15, help="seconds between SIGTERM and SIGKILL")
     g.add_argument("--exit-barrier-timeout", type=float, default=300, help=argparse.SUPPRESS)
     g.add_argument("--quiet", action="store_true", help="do not echo worker output to the console")
     g.add_argument("--hold-on-failure", type=_minutes, default=None, metavar="MINUTES",

@@ -31,7 +31,7 @@ from trainguard.agent.elastic import JobStopped, NodeExcluded, NodesUnreachable,
 from trainguard.cluster import keeper
 from trainguard.cluster.stores import JobKey, address_toward, bound_store, is_loopback, reaches_loopback
 from trainguard.events import EventBus, EventStore, Severity
-from trainguard.events.notify import Notifier, urls_from_env
+from trainguard.events.notify import Notifier, bad_urls, urls_from_env
 from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
 from trainguard.monitors import plugins
@@ -242,6 +242,9 @@ def launch(args: argparse.Namespace) -> int:
         # Every monitor's settings are read first: one that cannot start stops the launch here,
         # before a run dir, a process or a port exists.
         monitors = plugins.create_monitors(args)
+        bad = bad_urls((args.notify or []) + urls_from_env())
+        if bad:  # said now, not at the first failure a job has hours later
+            raise UsageError(f"notification URL not understood: {bad[0]} (see https://github.com/caronc/apprise)")
         node = args.node_name or socket.gethostname()
         run_dir, lock, store = _open_run_dir(args, node)
     except (plugins.MonitorStartError, UsageError, runlock.RunDirBusy) as exc:
@@ -263,7 +266,7 @@ def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.Ru
     db = node_db_path(run_dir, node)  # one database per node: safe on NFS / Lustre (events/store.py)
     try:
         store = EventStore(db)
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, OSError) as exc:  # OSError: a symlink or special file where the database goes
         lock.release()
         raise UsageError(f"cannot store events in {db}: {exc}") from None
     return run_dir, lock, store

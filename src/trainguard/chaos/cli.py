@@ -25,6 +25,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ from trainguard.chaos import background, event_db
 from trainguard.chaos.targets import Target, TargetError, resolve
 from trainguard.events import EventBus, EventStore
 from trainguard.exitcodes import EXIT_USAGE
-from trainguard.options import positive
+from trainguard.options import non_negative, positive, seconds
 from trainguard.rundir import chaos_hold as hold
 from trainguard.rundir.readers import NotARunDir, check_run_dir
 
@@ -64,13 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what", choices=["worker", "agent", "node"], default=None,
                    help="kill: the rank's worker (default with --rank), the node's agent, or the node's whole "
                         "process tree (default with --node)")  # fmt: skip
-    p.add_argument("--duration", type=positive, default=None,
+    p.add_argument("--duration", type=seconds, default=None,
                    help=f"seconds a lasting fault is held (default {DEFAULT_DURATION_S:g}; hang: until the job restarts the "
                         f"rank), at most {background.MAX_DURATION_S:g}")  # fmt: skip
     p.add_argument("--percent", type=positive, default=90.0, help="slow: CPU load in %% of the rank's core (default 90)")
     p.add_argument("--path", type=Path, help="fill-disk: a directory on the disk to fill")
     p.add_argument("--size-mb", type=positive, default=1024.0, help="fill-disk: write at most this much (default 1024)")
-    p.add_argument("--leave-mb", type=float, default=0.0, help="fill-disk: leave this much free (default 0: fill it)")
+    p.add_argument("--leave-mb", type=non_negative, default=0.0, help="fill-disk: leave this much free (default 0: fill it)")
     p.add_argument("--ckpt-dir", type=Path,
                    help="corrupt-ckpt: the job's trainguard.checkpoint directory (default RUN_DIR/checkpoints)")
     p.add_argument("--delay-ms", type=positive, default=200.0, help="net-delay: added delay (default 200)")
@@ -267,7 +268,12 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     where = f"rank {t.rank} on node {t.node}" if t.rank is not None else f"node {t.node}"
     message = f"chaos {args.fault} injected into {where}"
-    store = EventStore(event_db(run_dir))
+    print(message + "".join(f"; {k}={v}" for k, v in detail.items()))
+    try:
+        store = EventStore(event_db(run_dir))
+    except (sqlite3.Error, OSError) as exc:  # injected all the same: say that it is not on record
+        print(f"trainguard chaos: warning: not recorded in {event_db(run_dir)}: {exc}", file=sys.stderr)
+        return 0
     try:
         EventBus(store, node=t.node).emit(
             "chaos_injected", message, severity="warning", rank=t.rank,
@@ -275,5 +281,4 @@ def main(args: argparse.Namespace) -> int:
         )  # fmt: skip
     finally:
         store.close()
-    print(message + "".join(f"; {k}={v}" for k, v in detail.items()))
     return 0

@@ -9,8 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from trainguard.checks.items import ITEM_NAMES, CheckConfig, passed, run_checks
-from trainguard.options import dir_path, given, non_negative, non_negative_int, port, positive, positive_int
+from trainguard.checks.items import ITEM_NAMES, CheckConfig, passed, run_checks, skip_item
+from trainguard.options import (
+    dir_path,
+    endpoint,
+    given,
+    non_negative,
+    non_negative_int,
+    port,
+    positive_int,
+    seconds,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"auto: check GPUs when present; require: fail without them (default {d.gpu_mode})")  # fmt: skip
     p.add_argument("--hostfile", action="append", default=None, metavar="GLOB",
                    help=f"host files whose names must resolve (default {' '.join(d.hostfile_globs)})")  # fmt: skip
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST[:PORT] that must resolve")
+    p.add_argument("--rdzv-endpoint", type=endpoint, default=None, help="HOST[:PORT] that must resolve")
     p.add_argument("--master-addr", default=None, help="with --master-port: the port must be free here")
     p.add_argument("--master-port", type=port, default=None)
     p.add_argument("--root-dir", type=dir_path, default=None, help=f"path checked by disk-size root (default {d.root_path})")
@@ -39,9 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ulimit-stack-kb", type=non_negative_int, default=None, help=f"(default {d.ulimit_stack_kb})")
     p.add_argument("--ulimit-nproc", type=non_negative_int, default=None, help=f"(default {d.ulimit_nproc})")
     p.add_argument("--require-cuda-toolkit", action="store_true", help="fail when nvcc is missing")
-    p.add_argument("--dns-timeout", type=positive, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
+    p.add_argument("--dns-timeout", type=seconds, default=None, metavar="SECONDS", help=f"(default {d.dns_timeout_s:g})")
     p.add_argument(
-        "--skip", action="append", default=[], metavar="ITEM", help=f"leave out: {', '.join(ITEM_NAMES)}"
+        "--skip", action="append", default=[], metavar="ITEM", type=skip_item, help=f"leave out: {', '.join(ITEM_NAMES)}"
     )
 
 

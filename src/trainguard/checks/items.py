@@ -11,9 +11,11 @@ the job (free space), since that is what a checkpoint or cache write needs.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import ipaddress
 import os
+import re
 import resource
 import shutil
 import socket
@@ -24,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainguard import runfiles
 from trainguard.checks import kernel_log
 from trainguard.evidence import HardwareReport
 from trainguard.probes import nvml
@@ -89,16 +92,35 @@ class CheckConfig:
 # ---------------------------------------------------------------------------------------- dns
 
 
+HOSTFILE_LIMIT = 1 << 20  # bytes read of one host file
+_HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
+
+
+class HostFileError(ValueError):
+    """A host file that is not a text list of host names (binary, a FIFO, a device)."""
+
+
 def hostfile_names(globs: list[str]) -> list[str]:
-    """Host names listed in host files (one or more per line; IP literals and comments skipped)."""
+    """Host names listed in host files (one or more per line; IP literals and comments skipped).
+    HostFileError for a file that is not a text list of host names."""
     names: list[str] = []
     for pattern in globs:
         for path in sorted(glob.glob(pattern)):
             try:
-                with open(path) as f:
-                    lines = f.read().splitlines()
+                with runfiles.open_read(path) as f:  # a FIFO or device there must not block the check
+                    data = f.read(HOSTFILE_LIMIT)
+            except runfiles.UnsafeFile as exc:
+                raise HostFileError(str(exc)) from None
             except OSError:
                 continue
+            try:
+                lines = data.decode("utf-8").splitlines()
+            except UnicodeDecodeError:
+                raise HostFileError(f"{path} is not a text host file") from None
+            bad = [t for ln in lines for t in ln.split("#", 1)[0].split() if not _is_ip(t) and not _HOSTNAME.fullmatch(t)]
+            if b"\0" in data or bad:
+                raise HostFileError(f"{path} is not a host file: {bad[0][:40]!r} is no host name" if bad
+                                    else f"{path} is not a text host file")
             for line in lines:
                 for token in line.split("#", 1)[0].split():
                     if not _is_ip(token) and token not in names:
@@ -144,7 +166,10 @@ def resolve_all(names: list[str], timeout_s: float) -> dict[str, str | None]:
 
 
 def check_dns(cfg: CheckConfig) -> ItemResult:
-    names = hostfile_names(cfg.hostfile_globs)
+    try:
+        names = hostfile_names(cfg.hostfile_globs)
+    except HostFileError as exc:
+        return ItemResult("dns", FAILED, str(exc), fix="give --hostfile the job's host files (one host name per line)")
     for ep in cfg.endpoints:
         host = endpoint_host(ep)
         if host and not _is_ip(host) and host not in names:
@@ -561,3 +586,13 @@ def hardware_check(cfg: CheckConfig, env: Mapping[str, str] | None = None) -> Ha
         res = ItemResult("gpu-check", WARNING, f"the check itself failed: {exc}")
     faults = [res.detail] if res.failed else []
     return HardwareReport(healthy=not faults, faults=faults, items=[res])
+
+
+def skip_item(text: str) -> str:
+    """An argparse ``type``: a check item's name or its first word ("disk-size": every disk item)."""
+    if text in ITEM_NAMES or text in {n.split()[0] for n in ITEM_NAMES}:
+        return text
+    raise argparse.ArgumentTypeError(f"unknown check item {text!r} (items: {', '.join(ITEM_NAMES)})")
+
+
+skip_item.__name__ = "item"

@@ -23,9 +23,9 @@ from typing import Any
 
 from trainguard.checks.bench import CHAOS_ENV, parse_chaos
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
-from trainguard.cluster.stores import bound_store
+from trainguard.cluster.stores import bound_store, can_connect
 from trainguard.detect.nodecheck import Verdict
-from trainguard.options import given, non_negative_int, port, positive, positive_int
+from trainguard.options import MAX_SECONDS, given, non_negative_int, number, port, positive, positive_int
 
 EXIT_FAULTY, EXIT_STRAGGLER = 1, 3
 
@@ -47,7 +47,7 @@ def add_check_arguments(p: Any, prefix: str = "node-check-") -> None:
     d = NodeCheckConfig()
     p.add_argument(f"--{prefix}backend", choices=["auto", "gloo", "nccl"], default=None,
                    help=f"collective backend (default {d.backend}: nccl with CUDA, else gloo)")  # fmt: skip
-    p.add_argument(f"--{prefix}timeout", type=positive, default=None, metavar="SECONDS",
+    p.add_argument(f"--{prefix}timeout", type=number("seconds", maximum=MAX_SECONDS), default=None, metavar="SECONDS",
                    help=f"limit for one group test: process start, group setup, benchmark (default {d.timeout_s:g})")  # fmt: skip
     p.add_argument(f"--{prefix}gemm-n", type=positive_int, default=None, help="GEMM size (default: 4096 on GPU, 256 on CPU)")
     p.add_argument(f"--{prefix}coll-mb", type=positive, default=None, help="MB per collective (default: 64 GPU, 1 CPU)")
@@ -174,6 +174,8 @@ def _run_node(
 
     cfg.peer_host = args.master_addr
     timeout_s = max(60.0, cfg.timeout_s)
+    if args.node_rank != 0:  # node 0's store must answer within --timeout, not torch's minute of retries
+        _wait_reachable(args.master_addr, args.master_port, cfg.timeout_s)
     if args.node_rank == 0 and _is_ip(args.master_addr):  # listen on that address only
         store = bound_store(args.master_addr, args.master_port, timeout_s=timeout_s)
     else:  # a host name may resolve here to another address than the others reach: torch's store
@@ -192,6 +194,21 @@ def _run_node(
     if args.node_rank == 0:
         _wait_count(store, args.nnodes, cfg)
     return v, {args.node_rank: checker.metrics}
+
+
+def _wait_reachable(addr: str, port_: int, timeout_s: float) -> None:
+    """Return once addr:port accepts a TCP connection; OSError after ``timeout_s`` (one line, and
+    none of the C++ retry messages torch's store client prints while it waits)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        why = can_connect(addr, port_, max(0.1, min(2.0, deadline - time.monotonic())))
+        if why is None:
+            return
+        if time.monotonic() >= deadline:
+            raise OSError(f"not reachable within {timeout_s:g} s ({why})")
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def _wait_count(store: Any, n: int, cfg: NodeCheckConfig) -> None:

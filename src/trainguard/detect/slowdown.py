@@ -11,9 +11,11 @@ smoothed mean so far. When a window's excess over the baseline, ``mean / baselin
 
 A sample may stand for several iterations (a log that only shows step numbers on a coarse clock
 is timed over several steps at once, ``diagnose.steplog.StepTimer``): it counts as that many
-iterations at its mean time. A window whose iterations took no measurable time at all is not a
-window: it is merged with the next, so a baseline is never 0 (a 0 baseline would silence every
-later warning, issue 18).
+iterations at its mean time. A sample that took no measurable time (0 ms) is no step time: it
+is left out of every window. Merged into the next window it would drag that window's mean, and
+so the baseline, down by the share of 0 ms iterations (issue 28: 40 of them made a 2x slowdown
+read as ratio 17); as a window of its own it would make a 0 baseline that silences every later
+warning (issue 18).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from dataclasses import dataclass
 
 DEFAULT_WINDOW = 5
 DEFAULT_THRESHOLD = 0.8
-MAX_MERGE = 64  # windows' worth of zero-time iterations merged before they are given up
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class SlowdownDetector:
         self._reset()
 
     def feed(self, iteration: int, ms: float, iterations: int = 1) -> SlowdownWarning | None:
-        if not (0 <= ms < float("inf")) or iterations < 1:  # NaN, negative or inf: not a step time
+        if not (0 < ms < float("inf")) or iterations < 1:  # 0, NaN, negative or inf: not a step time
             return None
         if self._count and iteration <= self._last:
             self._reset()
@@ -92,10 +93,6 @@ class SlowdownDetector:
         self._count += iterations
         self._total_ms += ms * iterations
         if self._count < self.window:
-            return None
-        if self._total_ms <= 0:  # no measurable time yet: merge with what follows
-            if self._count >= self.window * MAX_MERGE:
-                self._reset()
             return None
         mean = self._total_ms / self._count
         first, last = self._first, self._last

@@ -90,6 +90,10 @@ def diagnose_paths(
         result["confidence"] = "medium"
     if oom:
         result["oom_check"] = oom
+    if result["category"] == "healthy" and not any(s.bytes for s in scans):
+        # Nothing read is no evidence of health: an empty dir, empty or unreadable files.
+        result.update(category="no_logs", confidence="none", fix="give the job's log files or directories",
+                      summary=f"nothing to diagnose: {len(scans)} file(s), no log line read")
     notes += [n for s in scans for n in s.notes]
     if notes:
         result["notes"] = notes

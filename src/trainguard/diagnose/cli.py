@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from trainguard.options import positive, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,14 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--rules", action="append", type=Path, default=[], metavar="FILE",
                    help="extra rules file (TOML, same format as the built-in rules); repeatable")  # fmt: skip
-    p.add_argument("--max-mb", type=float, default=None, metavar="MB",
+    p.add_argument("--max-mb", type=positive, default=None, metavar="MB",
                    help="read only the first 1 MB and the last MB of each file")  # fmt: skip
     p.add_argument(
-        "--window", type=int, default=DEFAULT_WINDOW, help="slowdown smoothing window (iterations)"
+        "--window", type=positive_int, default=DEFAULT_WINDOW, help="slowdown smoothing window (iterations)"
     )
     p.add_argument(
         "--threshold",
-        type=float,
+        type=positive,
         default=DEFAULT_THRESHOLD,
         help="slowdown warning ratio (mean/baseline - 1)",
     )

@@ -26,6 +26,7 @@ from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Slowdo
 from trainguard.diagnose.lines import parse_line, rank_in_text
 from trainguard.diagnose.sources import describe
 from trainguard.diagnose.steplog import StepTimer, parse_step
+from trainguard.options import non_negative_int, positive, positive_int
 
 POLL_S = 0.5
 MAX_LINE = 1 << 20
@@ -37,12 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--follow", "-f", action="store_true", help="keep reading as the log grows (Ctrl-C to stop)"
     )
     p.add_argument(
-        "--window", type=int, default=DEFAULT_WINDOW, help="iterations per smoothed mean (default 5)"
+        "--window", type=positive_int, default=DEFAULT_WINDOW, help="iterations per smoothed mean (default 5)"
     )
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+    p.add_argument("--threshold", type=positive, default=DEFAULT_THRESHOLD,
                    help="warn when mean/baseline - 1 reaches this (default 0.8, the seed's)")  # fmt: skip
     p.add_argument(
-        "--rank", type=int, default=None, help="rank whose steps to follow (default: the first seen)"
+        "--rank", type=non_negative_int, default=None, help="rank whose steps to follow (default: the first seen)"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per warning")
 

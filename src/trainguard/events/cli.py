@@ -13,7 +13,7 @@ from pathlib import Path
 
 from trainguard.events.model import Event, Severity
 from trainguard.events.store import RunEvents
-from trainguard.options import positive
+from trainguard.options import seconds
 
 WAIT_FOR_DB_S = 60.0  # --follow on a run that has not written its first event yet
 
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     p.add_argument("--severity", type=_severity, default=None, help="only events at or above this severity")
-    p.add_argument("--interval", type=positive, default=0.5, help=argparse.SUPPRESS)
+    p.add_argument("--interval", type=seconds, default=0.5, help=argparse.SUPPRESS)
 
 
 def _when(t: float) -> str:

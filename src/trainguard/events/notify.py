@@ -23,6 +23,16 @@ def urls_from_env() -> list[str]:
     return [u for u in (part.strip() for part in raw.replace(",", " ").split()) if u]
 
 
+def bad_urls(urls: list[str]) -> list[str]:
+    """The URLs Apprise does not understand (scheme unknown, malformed), redacted for printing."""
+    if not urls:
+        return []
+    import apprise
+
+    client = apprise.Apprise()
+    return [_redact(u) for u in urls if not client.add(u)]
+
+
 class Notifier:
     def __init__(self, urls: list[str], min_severity: Severity = Severity.ERROR, job: str = "") -> None:
         self.urls = list(urls)

@@ -22,12 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sqlite3
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, unquote
 
+from trainguard import runfiles
 from trainguard.events.model import Event, Severity
 
 log = logging.getLogger("trainguard.events")
@@ -53,6 +57,8 @@ RESERVE_BYTES = 1 << 20  # free pages kept inside the database: ~2000 events on 
 RESERVE_CHUNK = 64 << 10  # freed one chunk per transaction: the journal never needs more than this
 TOP_UP_EVERY = 64  # appends between checks of the reserve
 READ_TIMEOUT_S = 5.0  # a reader waits this long for a writer's lock, then tries again at its next read
+READ_RETRY_S = 30.0  # a reader's first read of a database retries a lock this long (heavy writes)
+SIDE_FILES = ("-journal", "-wal", "-shm")  # what SQLite writes next to a database
 
 
 def node_db_path(run_dir: str | Path, node: str) -> Path:
@@ -68,9 +74,10 @@ def node_of(db: Path) -> str | None:
 def event_dbs(run_dir: str | Path) -> list[Path]:
     """Every event database of a run dir: the per-node ones and a run-wide ``events.db``."""
     run_dir = Path(run_dir)
-    found = [run_dir / DB_NAME] if (run_dir / DB_NAME).is_file() else []
+    # Symlinks are not this run's databases (runfiles.py): they are neither read nor written.
+    found = [run_dir / DB_NAME] if runfiles.is_regular(run_dir / DB_NAME) else []
     try:
-        found += sorted(p for p in (run_dir / EVENTS_DIR).iterdir() if p.suffix == ".db" and p.is_file())
+        found += sorted(p for p in (run_dir / EVENTS_DIR).iterdir() if p.suffix == ".db" and runfiles.is_regular(p))
     except OSError:  # no events/ (yet), or not a directory
         pass
     return found
@@ -97,7 +104,7 @@ class EventStore:
             uri = f"{path.absolute().as_uri()}?mode=ro"
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=READ_TIMEOUT_S)
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _prepare_writable(path)
             self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30, isolation_level=None)
             # A run-wide events.db written by an older trainguard is WAL: it stays WAL (a database
             # file's journal mode is only changed by a writer with every other connection closed).
@@ -197,7 +204,7 @@ class EventStore:
                 if "no such table" in str(exc):  # a reader that came before the writer's schema
                     return []
                 raise
-        events = [_row_to_event(r) for r in rows]
+        events = [e for e in map(_row_to_event, rows) if e is not None]
         if min_severity is not None:
             events = [e for e in events if e.severity >= min_severity]
         return events
@@ -210,6 +217,60 @@ class EventStore:
             self._conn.close()
 
 
+def _prepare_writable(path: Path) -> None:
+    """Create ``path`` as a regular file, refusing a symlink (dangling ones too), a FIFO or a device
+    there, a symlinked ``events/`` directory and symlinked journal files: SQLite follows links, and
+    would write another application's database or create a file outside the run dir."""
+    ours = path.parent.name == EVENTS_DIR  # the run dir itself may be a link the user made; events/ not
+    if ours:
+        runfiles.safe_dir(path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if ours:
+        runfiles.safe_dir(path.parent)  # made by someone else between the two
+    for side in SIDE_FILES:
+        side_path = path.with_name(path.name + side)
+        if os.path.lexists(side_path) and not runfiles.is_regular(side_path):
+            raise runfiles.refuse(side_path, "a symlink or special file")
+    runfiles.create_regular(path)
+
+
+class _Recovered:
+    """A read of a database whose writer died mid-transaction (a hot journal): SQLite needs write
+    access to roll the journal back, which a reader must never use on the run dir. The database and
+    its journal are copied to a private temporary directory and the copy is rolled back there; the
+    run dir is not touched. The copy is made again at every read (the writer may come back)."""
+
+    @staticmethod
+    def query(db: Path, after_id: int, kinds: list[str] | None) -> list[Event]:
+        tmp = Path(tempfile.mkdtemp(prefix="trainguard-events-"))
+        try:
+            copy = tmp / "copy.db"
+            for side in ("", "-journal"):
+                src = db.with_name(db.name + side)
+                try:
+                    with runfiles.open_read(src) as f, open(copy.with_name(copy.name + side), "wb") as out:
+                        shutil.copyfileobj(f, out)
+                except FileNotFoundError:
+                    continue
+            store = EventStore.__new__(EventStore)
+            store.path, store._lock = copy, threading.Lock()
+            store._conn = sqlite3.connect(copy, check_same_thread=False, timeout=READ_TIMEOUT_S)
+            try:
+                return store.query(kinds=kinds, after_id=after_id)
+            finally:
+                store.close()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _needs_rollback(exc: sqlite3.Error) -> bool:
+    return "readonly" in str(exc) or getattr(exc, "sqlite_errorcode", None) == 776  # SQLITE_READONLY_ROLLBACK
+
+
+def _locked(exc: sqlite3.Error) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
 class RunEvents:
     """Every node's events of a run dir, merged: each ``read`` returns what is new since the last
     one, in time order (a later read can return an event older than one already returned, when
@@ -219,10 +280,13 @@ class RunEvents:
     database) is skipped until it can, and named in ``problems``.
 
     ``skip_nodes``: nodes whose databases are not read (an agent reading the other nodes' events).
-    ``path`` may also be one ``.db`` file."""
+    ``path`` may also be one ``.db`` file. ``wait_s``: how long the first read of a database waits
+    for a writer holding its lock (a command's answer depends on it; an agent's thread passes 0)."""
 
-    def __init__(self, path: str | Path, skip_nodes: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(self, path: str | Path, skip_nodes: set[str] | frozenset[str] = frozenset(),
+                 wait_s: float = READ_RETRY_S) -> None:
         path = Path(path)
+        self.wait_s = wait_s  # how long a database's first read waits out a writer's lock
         self.single = path if path.suffix == ".db" and not path.is_dir() else None
         self.run_dir = path.parent if self.single else path
         self.skip_nodes = set(skip_nodes)
@@ -245,21 +309,43 @@ class RunEvents:
         return new
 
     def _read_one(self, db: Path, kinds: list[str] | None, min_severity: Severity | None) -> list[Event]:
-        try:
-            store = self._stores.get(db)
-            if store is None:
-                store = self._stores[db] = EventStore(db, readonly=True)
-            events = store.query(kinds=kinds, after_id=self._after.get(db, 0), min_severity=None)
-        except (sqlite3.Error, OSError) as exc:
-            self.problems[db] = str(exc)
-            self._forget(db)
-            return []
+        # A database never read yet waits out a busy writer (READ_RETRY_S): its first read decides
+        # whether a command answers at all. Later reads skip it until the next poll.
+        deadline = time.monotonic() + (self.wait_s if db not in self._after else 0.0)
+        while True:
+            try:
+                events = self._query(db, kinds)
+                break
+            except sqlite3.Error as exc:
+                if _locked(exc) and time.monotonic() < deadline:
+                    self._forget(db)
+                    time.sleep(0.05)
+                    continue
+                self.problems[db] = str(exc)
+                self._forget(db)
+                return []
+            except OSError as exc:
+                self.problems[db] = str(exc)
+                self._forget(db)
+                return []
         self.problems.pop(db, None)
-        if events:
-            self._after[db] = max(e.id or 0 for e in events)
+        self._after[db] = max([self._after.get(db, 0)] + [e.id or 0 for e in events])
         if min_severity is not None:
             events = [e for e in events if e.severity >= min_severity]
         return events
+
+    def _query(self, db: Path, kinds: list[str] | None) -> list[Event]:
+        after = self._after.get(db, 0)
+        store = self._stores.get(db)
+        try:
+            if store is None:
+                store = self._stores[db] = EventStore(db, readonly=True)
+            return store.query(kinds=kinds, after_id=after, min_severity=None)
+        except sqlite3.OperationalError as exc:
+            if not _needs_rollback(exc):
+                raise
+            self._forget(db)
+            return _Recovered.query(db, after, kinds)
 
     def _forget(self, db: Path) -> None:
         store = self._stores.pop(db, None)
@@ -283,16 +369,37 @@ def read_all(path: str | Path, kinds: list[str] | None = None) -> list[Event]:
         events.close()
 
 
-def _row_to_event(row: tuple) -> Event:
+MAX_TIME = 1e11  # unix seconds (year 5138): a later (or negative) time is a damaged row
+MAX_RANK = 1 << 24
+
+
+def _row_to_event(row: tuple) -> Event | None:
+    """One row as an event; None for a row no view can place (its time is not a time). Rows other
+    programs wrote are shown as well as they can be rather than failing the whole read."""
     id_, t, kind, sev, node, rank, message, evidence = row
     try:
-        ev = json.loads(evidence)
+        t = float(t)
     except (TypeError, ValueError):
+        return None
+    if not 0 <= t < MAX_TIME:  # NaN too
+        return None
+    try:
+        ev = json.loads(evidence)
+    except (TypeError, ValueError, RecursionError):
         ev = {"raw": evidence}
     if not isinstance(ev, dict):
         ev = {"raw": ev}
     try:
         severity = Severity.parse(sev)
-    except ValueError:  # a row some other program wrote: show it rather than fail the whole read
+    except (ValueError, TypeError, AttributeError):  # a row some other program wrote
         severity = Severity.INFO
-    return Event(id=id_, time=t, kind=kind, severity=severity, node=node, rank=rank, message=message, evidence=ev)
+    if not (isinstance(rank, int) and 0 <= rank < MAX_RANK):
+        rank = None
+    return Event(id=id_, time=t, kind=_text(kind), severity=severity, node=_text(node), rank=rank,
+                 message=_text(message), evidence=ev)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return "" if value is None else str(value)

@@ -10,6 +10,7 @@ what happened: hangs, stragglers, diagnoses, checkpoints.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -37,10 +38,33 @@ def restart_reason_label(source: str | None, membership: bool) -> str:
     return {"worker_exit": "worker_failure", "": "worker_failure", None: "worker_failure"}.get(source, str(source))
 
 
+def as_int(value: object, default: Any = None) -> Any:
+    """An integer detail of an event, or ``default`` when it is missing or not an integer."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def pids_of(evidence: dict[str, Any]) -> dict[int, int]:
+    """rank -> pid of a ``job_started`` event; entries that are not two integers are left out."""
+    raw = evidence.get("pids")
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    for r, p in raw.items():
+        rank, pid = as_int(r), as_int(p)
+        if rank is not None and pid is not None and 0 <= rank < 1 << 24 and 0 < pid < 1 << 31:
+            out[rank] = pid
+    return out
+
+
 def is_hardware_exclusion(event: Event) -> bool:
     ev = event.evidence or {}
     return event.message.startswith(NODE_DOWN) or ev.get("source") in HARDWARE_SOURCES or (
-        ev.get("source") == "worker_exit" and (ev.get("cause") or {}).get("kind") == "hardware"
+        ev.get("source") == "worker_exit" and isinstance(ev.get("cause"), dict) and ev["cause"].get("kind") == "hardware"
     )
 
 
@@ -117,6 +141,7 @@ class JobSummary:
         self.first_time: float | None = None
         self.last_time: float | None = None
         self.events = 0
+        self.damaged = 0  # events whose details could not be folded in
         self._seen_ids: set[tuple[str, int]] = set()
 
     # ---- events ---------------------------------------------------------------------------------
@@ -137,7 +162,12 @@ class JobSummary:
             self._rank(e.rank).last_event = e
         handler = getattr(self, "_on_" + e.kind, None)
         if handler is not None:
-            handler(n, e)
+            try:
+                handler(n, e)
+            except (ValueError, TypeError, AttributeError, KeyError, OverflowError):
+                # Details of a type this trainguard never writes (a damaged or foreign row): the
+                # event is counted and shown, its details are not folded in. Never a crash.
+                self.damaged += 1
 
     def _rank(self, rank: int) -> RankState:
         return self.ranks.setdefault(rank, RankState(rank))
@@ -151,10 +181,9 @@ class JobSummary:
         ev = e.evidence
         self._flush_failures(n)
         n.state, n.started, n.held_until = "running", e.time, None
-        n.attempt = int(ev.get("attempt", n.attempt + 1))
-        if ev.get("max_restarts") is not None:
-            n.max_restarts = int(ev["max_restarts"])
-        n.pids = {int(r): int(p) for r, p in (ev.get("pids") or {}).items()}
+        n.attempt = as_int(ev.get("attempt"), n.attempt + 1)
+        n.max_restarts = as_int(ev.get("max_restarts"), n.max_restarts)
+        n.pids = pids_of(ev)
         n.ranks = sorted(n.pids)
         for rank, pid in n.pids.items():
             rs = self._rank(rank)
@@ -165,8 +194,7 @@ class JobSummary:
         ev = e.evidence
         membership = bool(ev.get("membership_change"))
         n.state = "restarting"
-        if ev.get("max_restarts") is not None:
-            n.max_restarts = int(ev["max_restarts"])
+        n.max_restarts = as_int(ev.get("max_restarts"), n.max_restarts)
         if not membership:
             n.restarts_used += 1
         n.restarts[restart_reason_label(n._source, membership)] += 1
@@ -198,7 +226,7 @@ class JobSummary:
         ev = e.evidence
         self.hangs.append({"time": e.time, "node": n.node, "rank": e.rank, "message": e.message,
                            "report": ev.get("report"), "cause": ev.get("cause") or ev.get("rule"),
-                           "nodes": sorted(ev.get("nodes") or {})})
+                           "nodes": sorted(map(str, ev.get("nodes") or {})) if isinstance(ev.get("nodes"), dict | list) else []})
 
     def _on_straggler_detected(self, n: NodeState, e: Event) -> None:
         entry = {"time": e.time, "node": n.node, "rank": e.rank, "message": e.message,
@@ -239,8 +267,7 @@ class JobSummary:
     def _on_job_failed(self, n: NodeState, e: Event) -> None:
         self._flush_failures(n)
         n.state = "failed"
-        if e.evidence.get("max_restarts") is not None:
-            n.max_restarts = int(e.evidence["max_restarts"])
+        n.max_restarts = as_int(e.evidence.get("max_restarts"), n.max_restarts)
 
     def _on_node_excluded(self, n: NodeState, e: Event) -> None:
         self._flush_failures(n)
@@ -250,7 +277,8 @@ class JobSummary:
 
     def _on_node_held(self, n: NodeState, e: Event) -> None:
         n.state = "held"
-        n.held_until = e.evidence.get("until")
+        until = e.evidence.get("until")
+        n.held_until = float(until) if isinstance(until, int | float) and math.isfinite(until) else None
 
     def _on_hold_ended(self, n: NodeState, e: Event) -> None:
         n.state = str(e.evidence.get("state") or "failed")

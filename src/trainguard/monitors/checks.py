@@ -38,6 +38,7 @@ from trainguard.checks.items import (
     hardware_check,
     passed,
     run_checks,
+    skip_item,
 )
 from trainguard.checks.nodecheck_cli import add_check_arguments, config_from
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker, get_when_set
@@ -45,7 +46,7 @@ from trainguard.detect.nodecheck import Verdict, recheck_nodes
 from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.monitors.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
-from trainguard.options import given, non_negative, positive
+from trainguard.options import given, non_negative, seconds
 from trainguard.spawn.failures import lost_peer
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,8 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--check-require-cuda-toolkit", action="store_true", help="fail the pre-check without nvcc"
     )
-    g.add_argument("--check-skip", action="append", default=[], metavar="ITEM", help="leave out an item")
-    g.add_argument("--check-wait", type=positive, default=None, metavar="SECONDS",
+    g.add_argument("--check-skip", action="append", default=[], metavar="ITEM", type=skip_item, help="leave out an item")
+    g.add_argument("--check-wait", type=seconds, default=None, metavar="SECONDS",
                    help=f"how long agents wait for each other's pre-check results (default {d.wait_s:g})")  # fmt: skip
     g.add_argument("--node-check", action="store_true",
                    help="run the GEMM + collective node check in paired groups before workers start")  # fmt: skip

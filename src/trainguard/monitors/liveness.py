@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from trainguard.cluster.stores import can_connect
 from trainguard.evidence import NodeLost, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
-from trainguard.options import given, positive
+from trainguard.options import given, positive, seconds
 from trainguard.spawn.failures import lost_peer
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class LivenessSettings:
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     d = LivenessSettings()
-    group.add_argument("--heartbeat-interval", type=positive, default=None, metavar="S",
+    group.add_argument("--heartbeat-interval", type=seconds, default=None, metavar="S",
                        help=f"seconds between this agent's heartbeats to the others (default {d.interval_s:g})")
     group.add_argument("--node-lost-after", type=positive, default=None, metavar="S",
                        help=f"a node silent this long while training is blocked is lost; the others go on "

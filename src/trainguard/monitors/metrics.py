@@ -21,7 +21,7 @@ from typing import Any
 from trainguard.events.metrics import AgentView, Exporter, SummaryCollector, registry_for
 from trainguard.events.summary import JobSummary
 from trainguard.monitors.api import Monitor, MonitorContext
-from trainguard.options import given, positive
+from trainguard.options import given, seconds
 from trainguard.rundir.readers import EventTail, SpanTail
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        "Prometheus scrape from elsewhere)")
     group.add_argument("--metrics-textfile", type=_textfile, default=None, metavar="PATH.prom",
                        help="also write the metrics to this file for node_exporter's textfile collector (atomically)")
-    group.add_argument("--metrics-interval", type=positive, default=None, metavar="SECONDS",
+    group.add_argument("--metrics-interval", type=seconds, default=None, metavar="SECONDS",
                        help=argparse.SUPPRESS)
 
 
@@ -128,7 +128,7 @@ class MetricsMonitor(Monitor):
                 ctx.events.emit("metrics_listening", f"Prometheus metrics on http://{self.exporter.endpoint}/metrics",
                                 evidence={"endpoint": self.exporter.endpoint, "port": self.exporter.port,
                                           "textfile": self.exporter.textfile})
-            self._events = EventTail(ctx.run_dir, skip_nodes={ctx.node})  # its own events come from the bus
+            self._events = EventTail(ctx.run_dir, skip_nodes={ctx.node}, wait_s=0.0)  # its own events come from the bus
             self._thread = threading.Thread(target=self._loop, name="trainguard-metrics", daemon=True)
             self._thread.start()
         return None

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard import runfiles
+
 CHAOS_DIR = "chaos"
 _REQUEST = re.compile(r"hang-r(\d+)\.json")
 
@@ -45,18 +47,13 @@ def ack_path(run_dir: Path, rank: int) -> Path:
 
 def _write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    with runfiles.replace(path) as f:  # never through a symlink, never into a FIFO
+        f.write((json.dumps(data) + "\n").encode())
 
 
 def _read(path: Path) -> dict | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(runfiles.read_text(path, 1 << 20))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard import runfiles
 from trainguard.worker.ring import FLAG_BASIC, FLAG_COMM
 
 SWITCH_FILE = "profiling-switch.json"
@@ -64,33 +65,34 @@ def flags_from_switch(d: dict) -> int:
 def write_switch(run_dir: Path, flags: int) -> Path:
     flags_from_switch(switch_dict(flags))  # refuse a state the seed forbids (Communication alone)
     path = Path(run_dir) / SWITCH_FILE
-    tmp = path.with_name(f".{SWITCH_FILE}.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(switch_dict(flags)) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
-        raise
+    # Replaced by a new regular file: never written through a symlink or into a FIFO (runfiles.py).
+    with runfiles.replace(path) as f:
+        f.write((json.dumps(switch_dict(flags)) + "\n").encode())
     return path
 
 
 def read_switch(run_dir: Path) -> int | None:
-    """Switch word from the run's switch file; None when there is none. Raises ValueError if bad."""
+    """Switch word from the run's switch file; None when there is none. Raises ValueError if bad
+    (not JSON, or not a regular file: a FIFO there must not block the agent's thread)."""
     path = Path(run_dir) / SWITCH_FILE
     try:
-        text = path.read_text()
+        text = runfiles.read_text(path, 1 << 16)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ValueError(str(exc)) from None
     try:
         return flags_from_switch(json.loads(text))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON: {exc}") from None
+    except (AttributeError, TypeError) as exc:  # JSON, but not an object of switches
+        raise ValueError(f"{path}: not a profiling switch: {exc}") from None
 
 
 # ---- record files -------------------------------------------------------------------------------
 def _numbered(rank_dir: Path) -> list[Path]:
     try:
-        return [p for p in rank_dir.iterdir() if p.name.isdigit() and p.is_file()]
+        return [p for p in rank_dir.iterdir() if p.name.isdigit() and runfiles.is_regular(p)]
     except FileNotFoundError:
         return []
 
@@ -119,10 +121,15 @@ class RankFileWriter:
         if not data:
             return 0
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.current if self.current is not None and self.current.exists() else self._latest()
-        if path is None or path.stat().st_size > self.rotate_bytes:
+        path = self.current if self.current is not None and runfiles.is_regular(self.current) else self._latest()
+        if path is None or path.lstat().st_size > self.rotate_bytes:
             path = self._new_file()
-        with open(path, "ab") as f:
+        try:
+            fd = runfiles.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except runfiles.UnsafeFile:  # something not ours took the name: start a file of our own
+            path = self._new_file()
+            fd = runfiles.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        with open(fd, "ab") as f:
             f.write(data)
         self.current = path
         return len(data)

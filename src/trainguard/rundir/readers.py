@@ -4,15 +4,20 @@ reports. Read-only and incremental, so a live view can poll it cheaply while the
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard import runfiles
 from trainguard.events.model import Event
-from trainguard.events.store import RunEvents, event_dbs
+from trainguard.events.store import READ_RETRY_S, RunEvents, event_dbs
 from trainguard.rundir.profiling import PROFILING_DIR
 
 HANG_GLOB = "hang-*.txt"
+MAX_RANK = 1 << 24  # more ranks than any job has: a larger one is a damaged record
+MAX_TIME = 1e11  # unix seconds (year 5138): a later time is a damaged record
 
 
 class NotARunDir(Exception):
@@ -61,9 +66,10 @@ class EventTail:
     """New events of a run since the last call: every node's, merged (see events/store.py).
     ``skip_nodes``: nodes whose events are not read (an agent tailing the other nodes)."""
 
-    def __init__(self, run_dir: Path, skip_nodes: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(self, run_dir: Path, skip_nodes: set[str] | frozenset[str] = frozenset(),
+                 wait_s: float = READ_RETRY_S) -> None:
         self.run_dir = Path(run_dir)
-        self._events = RunEvents(self.run_dir, skip_nodes)
+        self._events = RunEvents(self.run_dir, skip_nodes, wait_s)
 
     def read(self) -> list[Event]:
         return self._events.read()
@@ -84,24 +90,50 @@ def parse_span(line: str) -> Span | None:
     """One profiling record line (see monitors/profiling/monitor.py), None when it is not one."""
     try:
         d = json.loads(line)
-        return Span(int(d["rank"]), str(d["kind"]), str(d.get("name") or d["kind"]), int(d["step"]),
+        span = Span(int(d["rank"]), str(d["kind"]), str(d.get("name") or d["kind"]), int(d["step"]),
                     int(d["start_ns"]) / 1e9, int(d["end_ns"]) / 1e9)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
+    # A damaged record (a rank or time out of any range) is not a span: it would break every view.
+    if not (0 <= span.rank < MAX_RANK and 0 <= span.start <= span.end < MAX_TIME and math.isfinite(span.end)):
+        return None
+    return span
 
 
 def _rank_dirs(profiling: Path) -> list[Path]:
     try:
-        return sorted((d for d in profiling.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
-    except FileNotFoundError:
+        return sorted((d for d in profiling.iterdir() if d.is_dir() and d.name.isdigit() and not d.is_symlink()),
+                      key=lambda d: int(d.name))
+    except OSError:  # missing, or not a directory
         return []
 
 
 def _record_files(rank_dir: Path) -> list[Path]:
+    """A rank's record files, oldest first: regular files only (a FIFO would block a reader)."""
     try:
-        return sorted((p for p in rank_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    except FileNotFoundError:
+        return sorted((p for p in rank_dir.iterdir() if p.name.isdigit() and runfiles.is_regular(p)),
+                      key=lambda p: int(p.name))
+    except OSError:
         return []
+
+
+def iter_spans(run_dir: Path, chunk: int = 1 << 20) -> Iterator[Span]:
+    """Every span record of the run, file by file, without holding more than ``chunk`` bytes of a
+    file at once (``trace`` of a run dir with gigabytes of records)."""
+    for rank_dir in _rank_dirs(Path(run_dir) / PROFILING_DIR):
+        for path in _record_files(rank_dir):
+            try:
+                f = runfiles.open_read(path)
+            except OSError:
+                continue
+            with f:
+                rest = b""
+                while data := f.read(chunk):
+                    lines = (rest + data).split(b"\n")
+                    rest = lines.pop()
+                    for ln in lines:
+                        if (span := parse_span(ln.decode(errors="replace"))) is not None:
+                            yield span
 
 
 class SpanTail:
@@ -155,10 +187,10 @@ class SpanTail:
     def _read_file(self, path: Path, budget: int) -> tuple[list[Span], int]:
         offset = self._offsets[path]
         try:
-            with open(path, "rb") as f:
+            with runfiles.open_read(path) as f:
                 f.seek(offset)
                 data = f.read(max(0, min(budget, os.fstat(f.fileno()).st_size - offset)))
-        except FileNotFoundError:
+        except OSError:  # gone, or no longer a regular file
             return [], 0
         end = data.rfind(b"\n")
         if end < 0:
@@ -171,32 +203,44 @@ class SpanTail:
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
-    except FileNotFoundError:
+        return path.lstat().st_size
+    except OSError:
         return 0
 
 
 def _next_line(path: Path, offset: int) -> int:
     """The first line start at or after ``offset`` (so a tail never begins mid-record)."""
-    with open(path, "rb") as f:
-        f.seek(offset - 1)
-        if f.read(1) == b"\n":
-            return offset
-        f.readline()
-        return f.tell()
+    try:
+        with runfiles.open_read(path) as f:
+            f.seek(offset - 1)
+            if f.read(1) == b"\n":
+                return offset
+            f.readline()
+            return f.tell()
+    except OSError:
+        return offset
 
 
-def hang_reports(run_dir: Path) -> list[Path]:
-    return sorted(Path(run_dir).glob(HANG_GLOB), key=lambda p: (p.stat().st_mtime, p.name))
+def hang_reports(run_dir: Path) -> list[tuple[Path, float]]:
+    """This run's hang reports with their mtimes, oldest first: regular files only (a symlink,
+    dangling or not, is no report of this run)."""
+    found = []
+    for p in Path(run_dir).glob(HANG_GLOB):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if runfiles.is_regular(p):
+            found.append((p, st.st_mtime))
+    return sorted(found, key=lambda x: (x[1], x[0].name))
 
 
 def read_report(run_dir: Path, name: str, limit: int = 256 << 10) -> str | None:
-    """A hang report by file name; None for anything that is not one of this run's reports."""
-    if os.sep in name or name.startswith(".") or not Path(name).match(HANG_GLOB):
+    """A hang report by file name; None for anything that is not one of this run's reports
+    (another name, a symlink, a FIFO, a directory)."""
+    if os.sep in name or "/" in name or name.startswith(".") or not Path(name).match(HANG_GLOB):
         return None
-    path = Path(run_dir) / name
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(limit)
-    except (FileNotFoundError, IsADirectoryError):
+        return runfiles.read_text(Path(run_dir) / name, limit)
+    except (OSError, ValueError):
         return None

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard import runfiles
+
 STACKS_DIR = "stacks"
 REQUEST = "request.json"
 MAX_AGE_S = 120.0
@@ -29,9 +31,13 @@ def safe_node(node: str) -> str:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, default=str))
-    os.replace(tmp, path)
+    with runfiles.replace(path) as f:  # never through a symlink, never into a FIFO
+        f.write(json.dumps(data, default=str).encode())
+
+
+def _read_json(path: Path) -> Any:
+    """A request's or answer's JSON; OSError or ValueError for anything else (a FIFO would block)."""
+    return json.loads(runfiles.read_text(path, 64 << 20))
 
 
 def write_request(run_dir: Path, nodes: list[str] | None) -> Path:
@@ -54,13 +60,14 @@ def pending(run_dir: Path, node: str, answered: set[str], now: float) -> list[Pa
         if entry.name in answered or not entry.is_dir():
             continue
         try:
-            req = json.loads((Path(entry.path) / REQUEST).read_text())
+            req = _read_json(Path(entry.path) / REQUEST)
         except (OSError, ValueError):
             continue  # not complete yet, or not ours
-        if not isinstance(req, dict) or now - float(req.get("time", 0)) > MAX_AGE_S:
+        if not isinstance(req, dict) or not isinstance(req.get("time", 0), int | float) \
+                or now - float(req.get("time", 0)) > MAX_AGE_S:
             continue
         nodes = req.get("nodes")
-        if nodes is not None and node not in nodes:
+        if nodes is not None and (not isinstance(nodes, list) or node not in nodes):
             continue
         if (Path(entry.path) / f"answer-{safe_node(node)}.json").exists():
             continue
@@ -85,7 +92,7 @@ def read_answers(request_dir: Path) -> dict[str, dict[str, Any]]:
     out = {}
     for p in request_dir.glob("answer-*.json"):
         try:
-            data = json.loads(p.read_text())
+            data = _read_json(p)
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and isinstance(data.get("node"), str):

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from trainguard.events.model import Event
+from trainguard.events.summary import pids_of
 
 FAULT_KINDS = ("worker_failed", "worker_lost_peer", "hang_detected")
 END_KINDS = ("job_succeeded", "job_failed", "node_excluded")
@@ -64,7 +65,7 @@ def compute(events: list[Event], steps: dict[int, list[tuple[float, float]]]) ->
         return g
     ref = g.reference_rank = ranks[0]
     events = sorted(events, key=lambda e: e.time)
-    starts = [e.time for e in events if e.kind == "job_started" and str(ref) in (e.evidence.get("pids") or {})]
+    starts = [e.time for e in events if e.kind == "job_started" and ref in pids_of(e.evidence)]
     if not starts:
         return g
     ref_steps = sorted(steps[ref])

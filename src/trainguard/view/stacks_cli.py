@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from trainguard.events.summary import JobSummary, NodeState
-from trainguard.options import positive
+from trainguard.options import seconds
 from trainguard.probes import stacks
 from trainguard.rundir import stack_requests as req
 from trainguard.rundir.readers import NotARunDir, check_run_dir, read_events
@@ -31,7 +31,7 @@ START_SLACK_S = 2.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the job's run directory")
-    p.add_argument("--timeout", type=positive, default=30.0, help="seconds to wait for other nodes' agents (default 30)")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for other nodes' agents (default 30)")
     p.add_argument("--node-name", action="append", default=None, metavar="NAME",
                    help="this host's node name when the job ran with --node-name (repeatable); default: the hostname")
     p.add_argument("--via-agents", action="store_true", help="ask every node's agent, this host's too (no local py-spy)")
@@ -95,7 +95,12 @@ def main(args: argparse.Namespace) -> int:
         results += [(name, stacks.to_dict(d)) for d in stacks.dump_all(pids).values()]
     problems = []
     if remote:
-        answers, missing = _ask_agents(run_dir, remote, args.timeout)
+        try:
+            answers, missing = _ask_agents(run_dir, remote, args.timeout)
+        except OSError as exc:  # a read-only run dir, or stacks/ is not a directory
+            print(f"trainguard stacks: error: cannot ask the agents through {run_dir / req.STACKS_DIR}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
         for name, answer in answers.items():
             results += [(name + " via its agent", d) for d in answer.get("dumps") or []]
         problems += [f"no answer from the agent of node {n} in {args.timeout:g} s (agent gone, or the run dir is "

@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from trainguard.options import positive
+from trainguard.options import seconds
 from trainguard.rundir.readers import NotARunDir
 from trainguard.view.live import RunView
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--once", action="store_true", help="print once as plain text and exit (for scripts)")
     p.add_argument("--json", action="store_true", help="print the whole summary as JSON once and exit")
-    p.add_argument("--interval", type=positive, default=1.0, help="seconds between redraws of the live view")
+    p.add_argument("--interval", type=seconds, default=1.0, help="seconds between redraws of the live view")
 
 
 def _clock(t: float | None) -> str:

@@ -10,8 +10,8 @@ https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import IO, Any
 
 from trainguard.events.model import Event
 from trainguard.events.summary import JobSummary
@@ -33,22 +33,60 @@ def _evidence(ev: dict[str, Any]) -> Any:
 
 
 def build(events: list[Event], spans: Iterable[Span], goodput: Goodput | None = None) -> dict[str, Any]:
+    """The whole trace as one object (small runs, tests); ``write`` streams it."""
+    spans = list(spans)
+    counts: dict[str, int] = {}
+    out = list(trace_events(events, spans, start_time(events, spans), counts))
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": _other(events, counts, goodput)}
+
+
+def start_time(events: list[Event], spans: Iterable[Span]) -> float:
+    """t0 of the trace: the run's first event or span."""
+    first = min((e.time for e in events), default=float("inf"))
+    first = min(first, min((s.start for s in spans), default=float("inf")))
+    return first if first != float("inf") else 0.0
+
+
+def _other(events: list[Event], counts: dict[str, int], goodput: Goodput | None) -> dict[str, Any]:
+    other: dict[str, Any] = {"t0_unix": counts.get("t0", 0.0), "spans": counts.get("spans", 0),
+                             "events": len(events), "tool": "trainguard trace"}
+    if goodput is not None:
+        other["goodput"] = goodput.to_dict()
+        other["goodput_line"] = goodput.line()
+    return other
+
+
+def write(out: IO[bytes], events: list[Event], spans: Iterable[Span], t0: float,
+          goodput: Goodput | None = None) -> dict[str, Any]:
+    """Write the trace JSON to ``out`` one trace event at a time (a run dir of gigabytes of span
+    records is never held in memory); returns its ``otherData``."""
+    counts: dict[str, int] = {}
+    out.write(b'{"traceEvents":[')
+    sep = b""
+    for item in trace_events(events, spans, t0, counts):
+        out.write(sep + json.dumps(item, separators=(",", ":"), default=str).encode())
+        sep = b",\n"
+    other = _other(events, counts, goodput)
+    out.write(b'],"displayTimeUnit":"ms","otherData":' + json.dumps(other, separators=(",", ":")).encode() + b"}\n")
+    return other
+
+
+def trace_events(events: list[Event], spans: Iterable[Span], t0: float, counts: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every trace event, spans consumed once in their order; ``counts`` gets t0 and the spans kept."""
     events = sorted(events, key=lambda e: (e.time, e.id or 0))
     summary = JobSummary()
     for e in events:
         summary.apply(e)
-    spans = list(spans)
-    starts = [e.time for e in events[:1]] + [min((s.start for s in spans), default=float("inf"))]
-    t0 = min(starts) if events or spans else 0.0
+    counts["t0"] = t0
     pids: dict[str, int] = {}
-    out: list[dict[str, Any]] = []
+    meta: list[dict[str, Any]] = []  # metadata made while making an event: yielded before it
     threads: set[tuple[int, int]] = set()
 
     def pid_of(node: str) -> int:
         if node not in pids:
             pids[node] = len(pids) + 1
-            out.append({"ph": "M", "name": "process_name", "pid": pids[node], "tid": 0, "args": {"name": f"node {node}"}})
-            out.append({"ph": "M", "name": "process_sort_index", "pid": pids[node], "tid": 0, "args": {"sort_index": pids[node]}})
+            meta.append({"ph": "M", "name": "process_name", "pid": pids[node], "tid": 0, "args": {"name": f"node {node}"}})
+            meta.append({"ph": "M", "name": "process_sort_index", "pid": pids[node], "tid": 0, "args": {"sort_index": pids[node]}})
             thread(pids[node], AGENT_TID, "agent: attempts and events", -1)
         return pids[node]
 
@@ -56,13 +94,22 @@ def build(events: list[Event], spans: Iterable[Span], goodput: Goodput | None = 
         if (pid, tid) in threads:
             return
         threads.add((pid, tid))
-        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
+        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+        meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
+
+    def flush(item: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        yield from meta
+        meta.clear()
+        if item is not None:
+            yield item
 
     for node in sorted(summary.nodes):
         pid_of(node)
-    _attempts(events, t0, pid_of, out)
-    n_spans = 0
+    attempts: list[dict[str, Any]] = []
+    _attempts(events, t0, pid_of, attempts)
+    yield from flush()
+    yield from attempts
+    counts["spans"] = 0
     for s in spans:
         rs = summary.ranks.get(s.rank)
         i = rs.attempt_at(s.end) if rs else None
@@ -70,22 +117,17 @@ def build(events: list[Event], spans: Iterable[Span], goodput: Goodput | None = 
             continue  # a span from before any attempt we know of
         pid = pid_of(rs.attempts[i].node)
         thread(pid, s.rank, f"rank {s.rank}", s.rank)
-        out.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": pid, "tid": s.rank, "ts": _us(s.start, t0),
-                    "dur": round(max(0.0, s.duration) * 1e6, 3), "args": {"step": s.step, "attempt": i}})
-        n_spans += 1
+        counts["spans"] += 1
+        yield from flush({"ph": "X", "name": s.name, "cat": s.kind, "pid": pid, "tid": s.rank, "ts": _us(s.start, t0),
+                          "dur": round(max(0.0, s.duration) * 1e6, 3), "args": {"step": s.step, "attempt": i}})
     for e in events:
         pid = pid_of(e.node)
         tid = AGENT_TID if e.rank is None else e.rank
         if e.rank is not None:
             thread(pid, e.rank, f"rank {e.rank}", e.rank)
-        out.append({"ph": "i", "s": "t", "name": e.kind, "cat": f"event,{e.severity.label}", "pid": pid, "tid": tid,
-                    "ts": _us(e.time, t0),
-                    "args": {"message": e.message, "severity": e.severity.label, "evidence": _evidence(e.evidence)}})
-    other: dict[str, Any] = {"t0_unix": t0, "spans": n_spans, "events": len(events), "tool": "trainguard trace"}
-    if goodput is not None:
-        other["goodput"] = goodput.to_dict()
-        other["goodput_line"] = goodput.line()
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
+        yield from flush({"ph": "i", "s": "t", "name": e.kind, "cat": f"event,{e.severity.label}", "pid": pid,
+                          "tid": tid, "ts": _us(e.time, t0),
+                          "args": {"message": e.message, "severity": e.severity.label, "evidence": _evidence(e.evidence)}})
 
 
 def _attempts(events: list[Event], t0: float, pid_of, out: list[dict[str, Any]]) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from trainguard.rundir.readers import NotARunDir, SpanTail, check_run_dir, read_events
+from trainguard import runfiles
+from trainguard.events.store import SIDE_FILES, event_dbs
+from trainguard.rundir.readers import NotARunDir, check_run_dir, iter_spans, read_events
 from trainguard.view import goodput, trace
 
 
@@ -27,30 +27,31 @@ def main(args: argparse.Namespace) -> int:
         print(f"trainguard trace: error: {exc}", file=sys.stderr)
         return 2
     events = read_events(run_dir)
-    spans = SpanTail(run_dir, start_bytes=None, max_bytes_per_read=1 << 40).read()
+    # Two passes over the span records, none of them held: the first for t0 and the reference
+    # rank's steps (goodput), the second writes them.
     steps: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for s in spans:
+    t0 = min((e.time for e in events), default=float("inf"))
+    for s in iter_spans(run_dir):
+        t0 = min(t0, s.start)
         if s.kind == "Step":
             steps[s.rank].append((s.end, s.duration))
-    if args.kind:
-        spans = [s for s in spans if s.kind in args.kind]
+    t0 = 0.0 if t0 == float("inf") else t0
     g = goodput.compute(events, steps)
-    doc = trace.build(events, spans, g)
-    text = json.dumps(doc, separators=(",", ":"))
+    spans = (s for s in iter_spans(run_dir) if not args.kind or s.kind in args.kind)
     if args.output == "-":
-        sys.stdout.write(text + "\n")
+        other = trace.write(sys.stdout.buffer, events, spans, t0, g)
+        sys.stdout.flush()
         print(g.line(), file=sys.stderr)
         return 0
     out = Path(args.output)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    protect = [p.with_name(p.name + side) for p in event_dbs(run_dir) for side in ("", *SIDE_FILES)]
     try:
-        tmp.write_text(text)
-        os.replace(tmp, out)
+        with runfiles.replace(out, protect=protect) as f:
+            other = trace.write(f, events, spans, t0, g)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        print(f"trainguard trace: error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        why = str(exc) if isinstance(exc, runfiles.UnsafeFile) else f"cannot write {out}: {exc.strerror or exc}"
+        print(f"trainguard trace: error: {why}", file=sys.stderr)
         return 2
-    other = doc["otherData"]
     print(f"wrote {out}: {other['spans']} span(s) of {len(steps)} rank(s), {other['events']} event(s); "
           "open it in https://ui.perfetto.dev or chrome://tracing")
     print(g.line())

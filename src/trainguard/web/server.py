@@ -15,6 +15,7 @@ import json
 import mimetypes
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,15 +30,21 @@ from trainguard.rundir.readers import NotARunDir, hang_reports, read_report
 from trainguard.view.live import RunView
 
 STATIC = ("index.html", "app.js", "style.css")
+LISTEN_BACKLOG = 512
 FIRST_EVENTS = 500  # events sent on the first load; later polls send only the new ones
 MIN_REFRESH_S = 0.5
+MIN_TOKEN = 8  # characters of a token given with --token off loopback
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs the token)")
     p.add_argument("--port", type=port_or_zero, default=8765, help="port (default 8765; 0 = a free one)")
-    p.add_argument("--token", default=None, help="token the page must present (default: random when not on loopback)")
+    p.add_argument("--token", default=None, help="token the page must present (default: random when not on loopback; "
+                   "an empty token is refused off loopback)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a DNS name the page may be opened by (Host header; repeatable). Loopback names and IP "
+                        "addresses are always accepted; other names are refused against DNS rebinding")
 
 
 def is_loopback(host: str) -> bool:
@@ -54,9 +61,10 @@ def _static(name: str) -> bytes:
 class Dashboard:
     """The state behind the page: one RunView, refreshed at most every MIN_REFRESH_S."""
 
-    def __init__(self, view: RunView, token: str | None) -> None:
+    def __init__(self, view: RunView, token: str | None, hosts: frozenset[str] = frozenset()) -> None:
         self.view = view
         self.token = token
+        self.hosts = hosts  # the Host header names the page may be reached by (empty: loopback names)
         self._lock = threading.Lock()
         self._refreshed = 0.0
 
@@ -74,7 +82,7 @@ class Dashboard:
             "summary": self.view.snapshot(columns),
             "events": [e.to_dict() for e in events],
             "last_id": max([after] + [e.id or 0 for e in events]),
-            "hang_reports": [{"name": p.name, "mtime": p.stat().st_mtime} for p in hang_reports(self.view.run_dir)],
+            "hang_reports": [{"name": p.name, "mtime": mtime} for p, mtime in hang_reports(self.view.run_dir)],
         }
 
 
@@ -105,6 +113,10 @@ def make_handler(dash: Dashboard) -> type[BaseHTTPRequestHandler]:
             return hmac.compare_digest(given.encode(), dash.token.encode())
 
         def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            if not host_allowed(self.headers.get("Host"), dash.hosts):
+                # DNS rebinding: a page of another site whose name now resolves to this address
+                # would otherwise read the API as a same-origin page.
+                return self._json({"error": "unexpected Host header"}, HTTPStatus.MISDIRECTED_REQUEST)
             url = urlparse(self.path)
             query = parse_qs(url.query)
             path = url.path
@@ -132,15 +144,45 @@ def make_handler(dash: Dashboard) -> type[BaseHTTPRequestHandler]:
                     return self._send(200, text.encode(), "text/plain; charset=utf-8")
             except ValueError as exc:
                 return self._json({"error": str(exc)}, HTTPStatus.BAD_REQUEST)
+            except Exception as exc:  # a damaged run-dir file: this refresh fails, the server serves on
+                return self._json({"error": f"cannot read the run: {exc}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
             return self._json({"error": "not found"}, HTTPStatus.NOT_FOUND)
 
     return Handler
 
 
-def serve(view: RunView, host: str, port: int, token: str | None) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), make_handler(Dashboard(view, token)))
-    server.daemon_threads = True
-    return server
+class _Server(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG  # socketserver's 5 dropped bursts of page loads
+    daemon_threads = True
+
+
+def host_allowed(header: str | None, hosts: frozenset[str]) -> bool:
+    """Whether a request's Host header names this dashboard: a loopback name or address, an IP
+    address (a rebinding attack needs a DNS name), or one of ``hosts`` (``--allow-host``)."""
+    if not header:
+        return False
+    try:
+        name = urlparse(f"//{header}").hostname or ""
+    except ValueError:
+        return False
+    if name in hosts or name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _own_names() -> frozenset[str]:
+    """This host's own names: a rebinding attacker cannot make them resolve to this machine."""
+    host = socket.gethostname()
+    return frozenset({host, host.split(".")[0], socket.getfqdn()})
+
+
+def serve(view: RunView, host: str, port: int, token: str | None,
+          hosts: frozenset[str] = frozenset()) -> ThreadingHTTPServer:
+    return _Server((host, port), make_handler(Dashboard(view, token, hosts)))
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -154,10 +196,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"trainguard dashboard: error: {exc}", file=sys.stderr)
         return 2
     token = args.token
-    if token is None and not is_loopback(args.host):
-        token = secrets.token_urlsafe(16)
+    if not is_loopback(args.host):
+        if token is not None and len(token) < MIN_TOKEN:
+            view.close()
+            print(f"trainguard dashboard: error: --host {args.host} is not loopback: the API needs a --token of at "
+                  f"least {MIN_TOKEN} characters (or none: a random one is made)", file=sys.stderr)
+            return 2
+        token = token or secrets.token_urlsafe(16)
+    token = token or None  # '' on loopback: no token, as without --token
     try:
-        server = serve(view, args.host, args.port, token)
+        server = serve(view, args.host, args.port, token, frozenset(args.allow_host) | _own_names())
     except OSError as exc:
         print(f"trainguard dashboard: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2

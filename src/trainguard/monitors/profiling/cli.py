@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from trainguard import runfiles
+from trainguard.events.store import event_dbs
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.rundir import profiling as pf
 from trainguard.worker.ring import FLAG_BASIC, FLAG_COMM
@@ -30,11 +32,16 @@ def main(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         print(f"trainguard profile: error: no run directory {run_dir}", file=sys.stderr)
         return EXIT_USAGE
+    if not event_dbs(run_dir):  # a switch file is only written where a trainguard job runs
+        print(f"trainguard profile: error: {run_dir} is not a trainguard run directory (no events.db or events/*.db)",
+              file=sys.stderr)
+        return EXIT_USAGE
     try:
         current = pf.read_switch(run_dir)
     except ValueError as exc:
-        print(f"trainguard profile: warning: ignoring unreadable switch file: {exc}", file=sys.stderr)
         current = None
+        if args.state is None:  # when switching, the new switch replaces it (or the write says why not)
+            print(f"trainguard profile: warning: ignoring unreadable switch file: {exc}", file=sys.stderr)
     if args.state is None:
         if args.comm is not None:
             print("trainguard profile: error: --comm needs a state (on|off)", file=sys.stderr)
@@ -54,8 +61,9 @@ def main(args: argparse.Namespace) -> int:
         flags = FLAG_BASIC | (FLAG_COMM if comm else 0)
     try:
         path = pf.write_switch(run_dir, flags)
-    except OSError as exc:  # a read-only or full run dir: the switch is unchanged
-        print(f"trainguard profile: error: cannot write the switch in {run_dir}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # a read-only or full run dir, a symlink or FIFO there: the switch is unchanged
+        why = exc if isinstance(exc, runfiles.UnsafeFile) else exc.strerror or exc
+        print(f"trainguard profile: error: cannot write the switch in {run_dir}: {why}", file=sys.stderr)
         return EXIT_USAGE
     print(f"{path}: {json.dumps(pf.switch_dict(flags))}")
     return 0
