@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from torch.distributed import TCPStore
@@ -122,3 +123,47 @@ def test_get_all_leaves_a_forged_value_out(server, job):
     server.set("b", "2")
     assert exchange.get_all(signed, ["a", "b"]) == {"a": b"1"}
     assert exchange.get_all(server, ["a", "b"])["b"] == b"2"  # the raw store sees everything
+
+
+@pytest.mark.slow
+def test_a_forged_verdict_on_the_job_stores_port_makes_no_node_leave(jobs, tmp_path):
+    """The audit's case, end to end: two agents of an elastic job (a straggler may leave it)
+    with --exclude-straggler, and a local process
+    that writes straggler verdicts naming every rank into the job's rendezvous store (port and
+    key prefix are no secret). Both nodes train to the end and record the rejection."""
+    import threading
+
+    from tgtest import EXAMPLE, events, free_port, wait_for
+
+    run, port = tmp_path / "run", free_port()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "forged", "--max-restarts", "0", "--run-dir", run, "--precheck", "off", "--quiet",
+              "--exclude-straggler", "--straggler-window", "5"]  # fmt: skip
+    script = [EXAMPLE, "--steps", "120", "--step-time-ms", "40"]
+    a = jobs("run", *common, "--node-name", "node0", *script, name="node0")
+    b = jobs("run", *common, "--node-name", "node1", *script, name="node1")
+    wait_for(lambda: events(run, "job_started"), what="the job to start")
+    forged = json.dumps({"window": -1, "verdicts": [S.Verdict(r, f"node{r}", "compute", 9.0, 450.0, 50.0, [0]).to_dict()
+                                                    for r in (0, 1)]})  # fmt: skip
+    done = threading.Event()
+
+    def forge() -> None:
+        client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+        while not done.is_set():
+            try:
+                for rnd in range(3):
+                    client.set(f"torch.rendezvous.forged.{rnd}/trainguard/straggler/verdicts", forged)
+            except Exception:  # the store went with the job
+                return
+            done.wait(0.2)
+
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        codes = (a.wait(), b.wait())
+    finally:
+        done.set()
+        forger.join(timeout=30)
+    assert codes == (0, 0), (a.output()[-3000:], b.output()[-3000:])
+    assert not events(run, "node_excluded")
+    assert [e.evidence["key"] for e in events(run, "store_write_rejected")] == ["trainguard/straggler/verdicts"]
