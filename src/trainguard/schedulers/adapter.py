@@ -130,7 +130,8 @@ class Scheduler:
         nodes = self._remember(node)
         if self.job is not None or self.drain:
             line = self.resubmit_line(nodes)
-            print(f"trainguard: {node} added to {self.run_dir / EXCLUDE_FILE}; to resubmit without it: {line}", flush=True)
+            listed = "added to" if node in nodes else "not a node name, not added to"
+            print(f"trainguard: {node} {listed} {self.run_dir / EXCLUDE_FILE}; to resubmit without it: {line}", flush=True)
         else:
             line = ""
         evidence: dict[str, Any] = {"node": node, "reason": reason, "exclude_list": nodes, "resubmit": line}
