@@ -31,7 +31,13 @@ def assert_refused(res: subprocess.CompletedProcess, tmp_path, needle: str) -> N
         (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
         (["--monitor-interval", "0"], "--monitor-interval must be a number of seconds > 0"),
         (["--notify-severity", "bogus"], "unknown severity 'bogus'"),
-        (["--node-name", "a/b"], "--node-name 'a/b'"),
+        (["--node-name", "a/b"], "--node-name: 'a/b' is not a node name"),
+        # issue 28.14: a comma would drain and exclude other Slurm nodes; spaces and shell characters
+        # end up in the printed sbatch line and the exclude-nodes file
+        (["--node-name", "n1,n2"], "--node-name: 'n1,n2' is not a node name"),
+        (["--node-name", "n1 n2"], "--node-name: 'n1 n2' is not a node name"),
+        (["--node-name", "n1;reboot"], "--node-name: 'n1;reboot' is not a node name"),
+        (["--node-name", "$(id)"], "--node-name: '$(id)' is not a node name"),
     ],
 )
 def test_bad_run_flag_values_are_one_line_exit_2(tmp_path, argv, needle):

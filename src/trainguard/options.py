@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -107,6 +108,31 @@ def dir_path(text: str) -> str:
 
 
 dir_path.__name__ = "directory"
+
+
+# Letters, digits, '.', '_' and '-' (what hostnames, Slurm and Kubernetes node names use): a node
+# name goes into file names, `scontrol ... NodeName=`, comma-separated Slurm lists (a comma would
+# name other nodes) and a printed `sbatch` line, so nothing else is taken.
+_NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,252}")
+
+
+def node_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a node name (None: it can)."""
+    if _NODE_NAME.fullmatch(name):
+        return None
+    return (f"{name!r} is not a node name: use letters, digits, '.', '_' and '-' only (no commas, spaces, "
+            "'/' or shell characters), at most 253")
+
+
+def node_name(text: str) -> str:
+    """An argparse ``type``: a node name (see ``node_name_problem``)."""
+    problem = node_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+node_name.__name__ = "node name"
 
 
 def given(options: Any, fields: Mapping[str, str]) -> dict[str, Any]:

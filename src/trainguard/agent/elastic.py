@@ -11,14 +11,19 @@ What it changes, each through the agent's documented extension points:
   exclude this node, or stop the job everywhere.
 
 Failure collection and ordering live in spawn/failures.py, messages to the other agents in
-cluster/peers.py, private torch internals in trainguard/torch_compat.py.
+cluster/peers.py, private torch internals in trainguard/torch_compat.py. Everything the agent and
+its monitors read from the rendezvous store goes through ``Peers.signed`` (cluster/stores.py
+``SignedStore``): a value no agent of this job wrote is reported (``store_write_rejected``) and
+never acted on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -29,13 +34,14 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.utils import macros
 
 from trainguard import policy, stopsignal, torch_compat
-from trainguard.cluster import runs
+from trainguard.cluster import exchange, runs
 from trainguard.cluster.peers import Peers
-from trainguard.cluster.stores import JobKey, bound_store, can_connect
+from trainguard.cluster.stores import ForgedValue, JobKey, Rejections, bound_store, can_connect
 from trainguard.events import EventBus, Severity
 from trainguard.evidence import RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.policy import Action, Decision, PolicySettings
+from trainguard.probes import identity
 from trainguard.spawn import failures
 from trainguard.spawn.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
 from trainguard.spawn.pool import WorkerPool
@@ -44,12 +50,18 @@ log = logging.getLogger(__name__)
 STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the agent's own signal
 
 WORKER_STORE_KEY = "trainguard/worker_store"
+NODE_NAME_KEY = "trainguard/node-name"  # + /<name>: the agent that goes by it in this round
 LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
 REACH_TIMEOUT_S = 10.0  # a node that cannot open a connection to the workers' store in this long cannot train
 
 
 class NodesUnreachable(Exception):
     """This node cannot reach the address another node gave its workers: the job cannot train."""
+
+
+class DuplicateNodeName(NodesUnreachable):
+    """Another agent of this job goes by this node's name: their events, locks, exclusions and
+    Slurm drains would be mixed up, so the job does not start."""
 
 
 class NodeExcluded(Exception):
@@ -102,7 +114,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.stop_timeout = stop_timeout
         self.advertise_addr = advertise_addr
         self.job_key = job_key or JobKey.for_job(spec.rdzv_handler.get_run_id(), single_node=True)
-        self.peers = Peers(bus.node, self.job_key, on_rejected=self._rejected_write)
+        self.peers = Peers(bus.node, self.job_key, on_rejected=Rejections(self._rejected_write))
         # torch's per-round shared store (unused by our workers) would listen on every interface
         torch_compat.bind_rendezvous_shared_store(spec.rdzv_handler, lambda addr, port: bound_store(self.advertise_addr, port))
         torch_compat.cheap_rendezvous_records()  # a restart's rendezvous round in ms, not tens of ms
@@ -118,6 +130,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._worker_store: Any = None
         self._last_call_s: float | None = None  # the user's last call while a shorter one is set
         self._warmed = False
+        self._agent_id = secrets.token_hex(4)  # tells two agents under one --node-name apart
 
     # ---- carrying out decisions ---------------------------------------------------------------
     def carry_out(self, d: Decision, *, before_start: bool = False, made_here: bool = True) -> None:
@@ -191,6 +204,7 @@ class TrainguardAgent(LocalElasticAgent):
             with torch_compat.first_round_delay_skipped():
                 super()._rendezvous(worker_group)
         self._join_run(worker_group)
+        self._claim_node_name(worker_group)
         if self._last_call_s is not None:  # a round after a membership change has formed: back to the user's wait
             torch_compat.set_last_call(worker_group.spec.rdzv_handler, self._last_call_s)
             self._last_call_s = None
@@ -201,11 +215,30 @@ class TrainguardAgent(LocalElasticAgent):
         """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
         first = self.run_info is None
         base = torch_compat.rendezvous_base_store(wg.spec.rdzv_handler, wg.store)
-        self.run_info = runs.agree(base, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
+        signed = self.peers.signed(base) if base is not None else None
+        self.run_info = runs.agree(signed, self.run_dir, self.run_info, wg.spec.rdzv_handler.get_run_id())
         if first:
             self.attempt = self.run_info.first_attempt - 1  # _before_start counts the first attempt
             log.info("run %s: attempts from %d (logs/attempt-%d)", self.run_info.run_id, self.run_info.first_attempt,
                      self.run_info.first_attempt)
+
+    def _claim_node_name(self, wg: WorkerGroup) -> None:
+        """Take this node's name in the round's store (first writer wins): a second agent under
+        the same name stops the job on every node, saying which agents collide."""
+        if wg.store is None or (wg.group_world_size or 1) <= 1:
+            return
+        me = f"host {socket.gethostname()}, pid {os.getpid()}, agent {self._agent_id}"
+        try:
+            mine, stood = exchange.first_writer(self.peers.signed(wg.store), f"{NODE_NAME_KEY}/{self.bus.node}", me)
+        except Exception as exc:  # the store is failing: the rendezvous' own error handling takes over
+            log.debug("could not claim the node name: %s", exc)
+            return
+        if mine:
+            return
+        msg = (f"two agents of this job are named {self.bus.node!r} (this one: {me}; the other: "
+               f"{stood.decode(errors='replace')}): give each node its own --node-name")
+        self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, msg)
+        raise DuplicateNodeName(msg)
 
     @property
     def restarts_this_run(self) -> int:
@@ -219,17 +252,17 @@ class TrainguardAgent(LocalElasticAgent):
         named, instead of waiting in init_process_group."""
         store = wg.store
         assert store is not None
+        signed = self.peers.signed(store)
         if wg.group_rank == 0:
             old, self._worker_store = self._worker_store, None
             del old  # stops the previous round's server
             self._worker_store = bound_store(self.advertise_addr)
             where = f"{self.advertise_addr}:{self._worker_store.port}"
-            store.set(WORKER_STORE_KEY, self.job_key.sign(WORKER_STORE_KEY, where))
-        raw = store.get(WORKER_STORE_KEY)
-        where = self.job_key.open(WORKER_STORE_KEY, raw)
-        if where is None:
-            self._rejected_write(WORKER_STORE_KEY, raw.decode(errors="replace")[:200])
-            raise NodesUnreachable("the workers' store address in the rendezvous store is not signed by this job")
+            signed.set(WORKER_STORE_KEY, where)
+        try:
+            where = signed.get(WORKER_STORE_KEY).decode()
+        except ForgedValue:
+            raise NodesUnreachable("the workers' store address in the rendezvous store is not signed by this job") from None
         addr, _, port = where.rpartition(":")
         wg.master_addr, wg.master_port = addr, int(port)
         if wg.group_rank != 0:
@@ -278,7 +311,7 @@ class TrainguardAgent(LocalElasticAgent):
             workers=workers,
             events=self.bus,
             steps=self.steps,
-            store=wg.store,
+            store=self.peers.signed(wg.store) if wg.store is not None else None,  # every value signed (cluster/stores.py)
             rdzv_backend=self.rdzv_backend,
             addr=self.advertise_addr,
             rdzv_node=torch_compat.rendezvous_node(wg.spec.rdzv_handler) or "",
@@ -364,6 +397,7 @@ class TrainguardAgent(LocalElasticAgent):
                 "restart_count": restart_count,
                 "max_restarts": spec.max_restarts,
                 "pids": {str(w.global_rank): w.pid for w in workers},
+                "identity": identity.record({w.global_rank: w.pid for w in workers}),  # chaos/stacks verify pids
                 "group_rank": worker_group.group_rank,
                 "group_world_size": worker_group.group_world_size,
                 "master": f"{worker_group.master_addr}:{worker_group.master_port}",

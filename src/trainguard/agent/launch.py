@@ -35,6 +35,7 @@ from trainguard.events.notify import Notifier, bad_urls, urls_from_env
 from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
 from trainguard.monitors import plugins
+from trainguard.options import node_name_problem
 from trainguard.policy import Decision, PolicySettings
 from trainguard.schedulers import adapter as scheduler
 from trainguard.schedulers import slurm
@@ -246,6 +247,8 @@ def launch(args: argparse.Namespace) -> int:
         if bad:  # said now, not at the first failure a job has hours later
             raise UsageError(f"notification URL not understood: {bad[0]} (see https://github.com/caronc/apprise)")
         node = args.node_name or socket.gethostname()
+        if problem := node_name_problem(node):  # a name from the scheduler or the hostname: checked like --node-name
+            raise UsageError(f"node name {problem}; give --node-name")
         run_dir, lock, store = _open_run_dir(args, node)
     except (plugins.MonitorStartError, UsageError, runlock.RunDirBusy) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)

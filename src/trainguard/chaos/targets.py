@@ -1,6 +1,7 @@
 """Which processes a chaos injection aims at: a rank's worker, a node's agent, a node's whole
 process tree — found from the run dir's events (each node's latest ``job_started``), checked to
-be the same processes (not reused pids), on this host only."""
+be the same processes on this very machine (probes/identity.py: not another node's pids, not
+reused ones) before anything is signalled."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import psutil
 
 from trainguard.events.summary import JobSummary, NodeState
+from trainguard.probes import identity
 from trainguard.rundir.readers import read_events
-from trainguard.view.stacks_cli import _verified
 
 
 class TargetError(Exception):
@@ -38,18 +39,6 @@ class Target:
         return list(dict.fromkeys(out))
 
 
-def _agent_of(worker_pid: int) -> int | None:
-    """The ``trainguard run`` process a worker descends from."""
-    try:
-        for p in psutil.Process(worker_pid).parents():
-            cmd = p.cmdline()
-            if "trainguard" in " ".join(cmd) and "run" in cmd:
-                return p.pid
-    except psutil.Error:
-        return None
-    return None
-
-
 def nodes(run_dir: Path) -> dict[str, NodeState]:
     summary = JobSummary()
     for e in read_events(run_dir):
@@ -68,9 +57,11 @@ def resolve(run_dir: Path, *, rank: int | None = None, node: str | None = None) 
         state = known.get(node or "")
         if state is None:
             raise TargetError(f"no node {node!r} in {run_dir} (nodes: {', '.join(sorted(known)) or 'none'})")
-    pids = _verified(state)
-    if not pids:
-        raise TargetError(f"node {state.node}'s workers are not running on this host (chaos acts on local processes)")
-    agent = _agent_of(next(iter(pids.values())))
+    why = identity.why_not(state.identity, state.pids)
+    if why is not None:  # another node's pid, or a reused one: never signalled
+        raise TargetError(f"node {state.node}'s workers cannot be acted on from here: {why} "
+                          "(chaos acts on this host's processes; run it on the node)")
+    pids = dict(state.pids)
+    agent = state.identity.get("agent_pid")
     workers = {rank: pids[rank]} if rank is not None else pids
-    return Target(state.node, rank, workers, agent)
+    return Target(state.node, rank, workers, agent if isinstance(agent, int) else None)

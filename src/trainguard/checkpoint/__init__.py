@@ -29,6 +29,7 @@ state, never a silent fresh start.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,9 @@ from trainguard.checkpoint.reshard import IncompatibleCheckpoint
 
 __all__ = ["Checkpointer", "FormatError", "IncompatibleCheckpoint", "export_dcp", "load_latest", "save", "wait"]
 
+log = logging.getLogger(__name__)
 _default: Checkpointer | None = None
+_unavailable = False  # reported once: the snapshots' shared memory could not be set up
 _lock = threading.Lock()
 
 
@@ -56,7 +59,16 @@ def save(state: Any, step: int) -> bool:
     """Snapshot ``state`` (this rank's) at ``step`` into shared memory; persisted in the background.
     Returns True when the snapshot was taken, False when it was skipped or failed (an event says
     why; training can go on). Raises TypeError for values that cannot be stored without pickle."""
-    return _checkpointer().save(state, step)
+    global _unavailable
+    if _unavailable:
+        return False
+    try:
+        checkpointer = _checkpointer()
+    except OSError as exc:  # no usable shared memory / checkpoint dir: training goes on without snapshots
+        _unavailable = True
+        log.warning("checkpoint: cannot take snapshots (%s); training goes on without them", exc)
+        return False
+    return checkpointer.save(state, step)
 
 
 def load_latest(map_location: Any = None, mesh: Any = None) -> Any:

@@ -188,9 +188,8 @@ class Checkpointer:
         if shm:
             return cls(Path(shm), ckpt_dir, rank, world)
         # Local mode: no agent. Slots in a private shm dir, persisted by a thread of this process.
-        root = Path(os.environ.get(ENV_SHM_ROOT) or ("/dev/shm" if Path("/dev/shm").is_dir() else
-                                                     os.environ.get("TMPDIR", "/tmp")))
-        keep = int(os.environ.get(ENV_KEEP, "3"))
+        root = _local_shm_root()
+        keep = _env_keep()
         shm_dir = make_shm_dir(root, info={"ckpt_dir": str(ckpt_dir.resolve()), "keep": keep},
                                on_orphan=lambda d: rescue_orphan(d, _log_event))
         persister = Persister(shm_dir, ckpt_dir, keep, _log_event)
@@ -888,6 +887,44 @@ def _cuda_host_unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception as exc:
         log.debug("cudaHostUnregister failed: %s", exc)
+
+
+DEFAULT_KEEP = 3
+
+
+def _env_keep() -> int:
+    """``TRAINGUARD_CKPT_KEEP``: checkpoints kept per rank. Anything but a positive integer (0 and
+    -1 would delete the newest, text would raise inside ``save``) is one warning and the default."""
+    text = os.environ.get(ENV_KEEP)
+    if text is None:
+        return DEFAULT_KEEP
+    try:
+        keep = int(text)
+    except ValueError:
+        keep = 0
+    if keep < 1:
+        log.warning("checkpoint: %s=%r is not a positive integer; keeping the newest %d checkpoints per rank",
+                    ENV_KEEP, text, DEFAULT_KEEP)
+        return DEFAULT_KEEP
+    return keep
+
+
+def _default_shm_root() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR") or "/tmp")
+
+
+def _local_shm_root() -> Path:
+    """Where local mode keeps its snapshots: ``TRAINGUARD_CKPT_SHM_ROOT`` when it is a writable
+    directory, else (one warning) the default tmpfs."""
+    given = os.environ.get(ENV_SHM_ROOT)
+    if not given:
+        return _default_shm_root()
+    if os.path.isdir(given) and os.access(given, os.W_OK | os.X_OK):
+        return Path(given)
+    fallback = _default_shm_root()
+    log.warning("checkpoint: %s=%s is not a writable directory; keeping snapshots in %s instead",
+                ENV_SHM_ROOT, given, fallback)
+    return fallback
 
 
 def _log_event(kind: str, message: str, severity: str = "info", rank: int | None = None,

@@ -27,6 +27,7 @@ import mmap
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -100,6 +101,18 @@ def _parse_rank(name: str) -> int | None:
         return None
     digits = name[5:-5]
     return int(digits) if digits.isdigit() else None
+
+
+def own_step_dir(ckpt_dir: Path, step: int) -> Path | None:
+    """The step's directory when it is a real directory inside ``ckpt_dir`` (not a symlink to one
+    elsewhere), else None. Whatever deletes or moves checkpoint files goes through here: a
+    ``step-*`` link (made by a user, or planted) must never lead pruning to files outside."""
+    sdir = step_dir(ckpt_dir, step)
+    try:
+        st = os.lstat(sdir)
+    except OSError:
+        return None
+    return sdir if stat.S_ISDIR(st.st_mode) else None
 
 
 def all_steps(ckpt_dir: Path) -> list[int]:
@@ -411,9 +424,12 @@ def prune(ckpt_dir: Path, rank: int, keep: int, cache: VerifiedCache | None = No
     quarantine (they are not counted as kept, and not deleted). Rank 0 also deletes, with the
     steps it deletes, the files of ranks >= ``world`` (a bigger world's, after a shrink)."""
     cache = cache or VerifiedCache()
+    keep = max(1, keep)  # the newest is never deleted, whatever keep says (0, -1: a bad setting)
     out = Pruned()
     good: list[tuple[float, int]] = []
     for step in list_steps(ckpt_dir, rank):
+        if own_step_dir(ckpt_dir, step) is None:
+            continue  # a symlinked step dir: neither kept nor touched (its files live elsewhere)
         try:
             when = cache.check(ckpt_dir, rank, step)
         except CannotVerify:
@@ -441,7 +457,9 @@ def quarantine(ckpt_dir: Path, rank: int, step: int) -> Path:
     a rename). Returns the quarantine directory."""
     qdir = Path(ckpt_dir) / QUARANTINE / f"{step_dir(ckpt_dir, step).name}.{time.strftime('%Y%m%dT%H%M%S')}"
     qdir.mkdir(parents=True, exist_ok=True)
-    sdir = step_dir(ckpt_dir, step)
+    sdir = own_step_dir(ckpt_dir, step)
+    if sdir is None:  # a symlinked step dir: its files are not ours to move
+        return qdir
     for name in (manifest_name(rank), data_name(rank)):  # manifest first: uncommit, then data
         try:
             os.replace(sdir / name, qdir / name)
@@ -456,7 +474,7 @@ def clean_temp_files(ckpt_dir: Path) -> int:
     mark = f"{_TMP_MARK}{socket.gethostname()}-"
     n = 0
     try:
-        dirs = [d for d in Path(ckpt_dir).iterdir() if _parse_step(d.name) is not None]
+        dirs = [d for d in Path(ckpt_dir).iterdir() if _parse_step(d.name) is not None and not d.is_symlink()]
     except FileNotFoundError:
         return 0
     for d in dirs:
@@ -474,7 +492,9 @@ def remove_ranks_from(ckpt_dir: Path, step: int, first_rank: int) -> int:
     """Delete the files of ranks >= ``first_rank`` at ``step`` (left by a bigger world after a
     shrink, which no agent persists for any more). Returns how many ranks' files went."""
     n = 0
-    sdir = step_dir(ckpt_dir, step)
+    sdir = own_step_dir(ckpt_dir, step)
+    if sdir is None:
+        return 0
     for r in ranks_at(ckpt_dir, step):
         if r >= first_rank:
             for name in (manifest_name(r), data_name(r)):

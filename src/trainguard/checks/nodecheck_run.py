@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.checks.bench import READY_LINE, RESULT_PREFIX
-from trainguard.cluster.stores import address_toward, bound_store
+from trainguard.cluster.stores import ForgedValue, address_toward, bound_store
 from trainguard.detect.nodecheck import (
     Group,
     TestResult,
@@ -260,10 +260,14 @@ class NodeChecker:
 
 def get_when_set(store: Any, key: str, deadline: float) -> bytes | None:
     """Poll ``key`` until it exists (then return its value) or the monotonic ``deadline`` passes.
-    Polling with check(): store.wait() logs a c10d warning every time it times out."""
+    Polling with check(): store.wait() logs a c10d warning every time it times out. A forged
+    value (through the agents' ``SignedStore``: reported) counts as not set yet."""
     while True:
         if store.check([key]):
-            return store.get(key)
+            try:
+                return store.get(key)
+            except ForgedValue:
+                pass
         if time.monotonic() >= deadline:
             return None
         time.sleep(POLL_S)

@@ -1,6 +1,9 @@
 """What the monitors of several agents share through the rendezvous store, and how one of them
 speaks for the job: key scope, batched reads, bounded waits, first-writer-wins claims.
 
+Agents see the store through ``SignedStore`` (cluster/stores.py): every value here is signed
+with the job's key, and a forged one reads as absent.
+
 Used by the straggler exchange (the leader merges every node's windows) and the hang exchange (the
 first node to find a hang judges it for the job). Keys live in the round's store: a c10d
 rendezvous scopes the store to the round (every restart is a new round) and agents that joined at
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import time
 from typing import Any, Protocol
+
+from trainguard.cluster.stores import SignedStore
 
 POLL_S = 0.2  # how often a bounded wait looks at the store again
 
@@ -28,14 +33,19 @@ def scope(ctx: Round) -> str:
     return f"a{ctx.restart_count}/" if ctx.rdzv_backend == "static" else ""
 
 
-def get_all(store: Any, keys: list[str]) -> list[bytes]:
-    """The values of keys that exist: one round trip where the store can (multi_get), not one per key."""
+def get_all(store: Any, keys: list[str]) -> dict[str, bytes]:
+    """The values of keys that exist: one round trip where the store can (multi_get), not one per
+    key. Through a ``SignedStore`` (the agents' view of the store) a value no agent of this job
+    wrote is left out, as if it were not there."""
     if not keys:
-        return []
+        return {}
+    if isinstance(store, SignedStore):
+        return store.get_many(keys)
     try:
-        return list(store.multi_get(keys))
+        values = list(store.multi_get(keys))
     except (AttributeError, NotImplementedError, RuntimeError):
-        return [store.get(k) for k in keys]
+        values = [store.get(k) for k in keys]
+    return dict(zip(keys, values, strict=True))
 
 
 def wait_for(store: Any, keys: list[str], wait_s: float) -> list[str]:

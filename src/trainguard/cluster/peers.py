@@ -5,8 +5,9 @@ node that leaves (excluded) writes ``LEAVING_KEY`` with its name before its work
 others read their workers' failure as a membership change rather than spending their restart
 budget on it. Keys live in the round's store (a c10d rendezvous scopes it to the round).
 
-Values are signed with the job's key (``trainguard.cluster.stores.JobKey``): one without the right MAC was not
-written by an agent of this job, so it is ignored and reported (``on_rejected``), never obeyed.
+Values are signed with the job's key through ``trainguard.cluster.stores.SignedStore``: one without
+the right MAC was not written by an agent of this job, so it is ignored and reported
+(``on_rejected``, once per value), never obeyed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard import torch_compat
-from trainguard.cluster.stores import JobKey
+from trainguard.cluster.stores import ForgedValue, JobKey, Rejections, SignedStore
 from trainguard.evidence import PeerLeft, PeerNews, PeerStop
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,14 @@ CHECK_EVERY_S = 1.0
 class Peers:
     """This node's side of the conversation with the other agents."""
 
-    def __init__(self, node: str, key: JobKey, on_rejected: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, node: str, key: JobKey, on_rejected: Callable[[str, str], None] | Rejections | None = None) -> None:
         self.node = node
         self.key = key
-        self.on_rejected = on_rejected or (lambda k, v: None)
-        self._rejected: set[tuple[str, bytes]] = set()
+        self._report = on_rejected if isinstance(on_rejected, Rejections) else Rejections(on_rejected)
         self._last_check = 0.0
+
+    def signed(self, store: Any) -> SignedStore:
+        return SignedStore(store, self.key, self._report)
 
     def news(self, store: Any, nnodes: int, force: bool = False) -> PeerNews | None:
         """Another agent stopped the job or left it (looked up about once a second)."""
@@ -60,19 +63,17 @@ class Peers:
         """The key's value when an agent of this job wrote it; a forged one is reported once."""
         if not store.check([key]):
             return None
-        raw = store.get(key)
-        value = self.key.open(key, raw)
-        if value is None and (key, raw) not in self._rejected:
-            self._rejected.add((key, raw))
-            self.on_rejected(key, raw.decode(errors="replace")[:200])
-        return value
+        try:
+            return self.signed(store).get(key).decode()
+        except ForgedValue:
+            return None
 
     def stop_everywhere(self, store: Any, nnodes: int, reason: str) -> None:
         """Tell the other agents the job is stopped, so they stop too."""
         if store is None or nnodes <= 1:
             return
         try:
-            store.set(STOP_KEY, self.key.sign(STOP_KEY, f"{reason} (decided on {self.node})"))
+            self.signed(store).set(STOP_KEY, f"{reason} (decided on {self.node})")
         except Exception as exc:
             log.warning("could not tell the other agents to stop: %s", exc)
 
@@ -82,7 +83,7 @@ class Peers:
         if store is None:
             return
         try:
-            store.set(LEAVING_KEY, self.key.sign(LEAVING_KEY, node or self.node))
+            self.signed(store).set(LEAVING_KEY, node or self.node)
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)
 

@@ -7,9 +7,16 @@ address the other nodes reach this one through (``--local-addr``, or the local e
 to the rendezvous endpoint). A store is bound by handing torch a socket we bound ourselves
 (``TCPStore(master_listen_fd=...)``).
 
-The keys an agent acts on — stop the job, a node leaves, where the workers' store is — carry an
-HMAC under a per-job key (``JobKey``). A value without the right one (a stray client, another
-job's agent on the wrong port) is ignored and reported, never obeyed.
+Every value an agent acts on carries an HMAC under a per-job key (``JobKey``): stop the job, a
+node leaves, where the workers' store is, the run id, and everything the monitors exchange
+(straggler windows and verdicts, the hang views, claims and verdict, the pre-check and node-check
+outcomes, the liveness records). They all go through one helper, ``SignedStore``, which wraps
+the rendezvous store: ``set``/``compare_set`` sign, ``get`` opens and checks. A value without the
+right MAC (a stray client, a local process writing to the store's port, another job's agent on
+the wrong port) is never returned: it is reported once (``on_rejected``: the agent records a
+``store_write_rejected`` warning) and read as absent (``ForgedValue``). Counters (``add``) cannot
+carry a MAC: what agents count through them (heartbeats, how many nodes published) only delays
+a decision, it never makes one.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import hmac
 import os
 import secrets
 import socket
+import threading
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -141,3 +150,115 @@ class JobKey:
         if not sep or not hmac.compare_digest(mac, self._mac(key, value)):
             return None
         return value
+
+
+class ForgedValue(ValueError):
+    """A value in the store that no agent of this job wrote (its MAC is missing or wrong)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"{key}: not signed by an agent of this job")
+        self.key = key
+
+
+Rejected = Callable[[str, str], None]  # (key, the value as found, shortened)
+_FORGED_RETRIES = 3  # compare_set: how often a forged value in the way is replaced
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Rejections:
+    """Reports each forged (key, value) once, shared by a store and its clones (several threads)."""
+
+    def __init__(self, on_rejected: Rejected | None) -> None:
+        self.on_rejected = on_rejected
+        self._seen: set[tuple[str, bytes]] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, raw: bytes) -> None:
+        with self._lock:
+            if (key, raw) in self._seen or len(self._seen) > 10_000:
+                return
+            self._seen.add((key, raw))
+        if self.on_rejected is not None:
+            self.on_rejected(key, raw.decode(errors="replace")[:200])
+
+
+class SignedStore:
+    """The rendezvous store as the agents' own keys see it: every value signed with the job's key
+    (see the module's doc). Method names and results are the c10d ``Store``'s, so the monitors
+    use it as they would the store; ``get`` raises ``ForgedValue`` for a value no agent of this
+    job wrote, ``get_many`` leaves such values out."""
+
+    def __init__(self, store: Any, key: JobKey, on_rejected: Rejected | Rejections | None = None) -> None:
+        self.store = store
+        self.job_key = key
+        self._report = on_rejected if isinstance(on_rejected, Rejections) else Rejections(on_rejected)
+
+    def _open(self, key: str, raw: bytes) -> bytes:
+        value = self.job_key.open(key, raw)
+        if value is None:
+            self._report(key, bytes(raw))
+            raise ForgedValue(key)
+        return value.encode()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, self.job_key.sign(key, _text(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self.store.get(key))
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """The genuine values of ``keys`` (which must exist): one round trip where the store can."""
+        if not keys:
+            return {}
+        try:
+            raws = list(self.store.multi_get(keys))
+        except (AttributeError, NotImplementedError, RuntimeError):
+            raws = [self.store.get(k) for k in keys]
+        out = {}
+        for k, raw in zip(keys, raws, strict=True):
+            try:
+                out[k] = self._open(k, raw)
+            except ForgedValue:
+                continue
+        return out
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        found = self.get_many(keys)
+        missing = [k for k in keys if k not in found]
+        if missing:
+            raise ForgedValue(missing[0])
+        return [found[k] for k in keys]
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Like the store's; a forged value in the way counts as no value (it is replaced)."""
+        signed = self.job_key.sign(key, _text(desired))
+        exp: str | bytes = self.job_key.sign(key, _text(expected)) if expected else ""
+        for _ in range(_FORGED_RETRIES):
+            stood = self.store.compare_set(key, exp, signed)
+            try:
+                return self._open(key, stood)
+            except ForgedValue:
+                if expected:  # the value asked for is not there: the caller's compare failed
+                    raise
+                exp = stood  # take the forged value's place (atomic: only if it is still there)
+        raise ForgedValue(key)
+
+    def check(self, keys: Iterable[str]) -> bool:
+        return self.store.check(list(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(key, amount)
+
+    def wait(self, keys: list[str], *args: Any) -> None:
+        self.store.wait(keys, *args)
+
+    def clone(self) -> SignedStore:
+        return SignedStore(self.store.clone(), self.job_key, self._report)
+
+    def __getattr__(self, name: str) -> Any:  # num_keys, delete_key, timeout, ...: the store's own
+        if name in ("multi_set", "append", "queue_push"):  # would store unsigned values
+            raise AttributeError(f"SignedStore has no {name}")
+        return getattr(self.store, name)

@@ -116,6 +116,7 @@ class NodeState:
     hangs: int = 0
     ranks: list[int] = field(default_factory=list)
     pids: dict[int, int] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)  # who the pids are (probes/identity.py)
     started: float | None = None  # current attempt's job_started time
     held_until: float | None = None
     metrics: str | None = None  # "addr:port" of its metrics endpoint
@@ -185,6 +186,7 @@ class JobSummary:
         n.max_restarts = as_int(ev.get("max_restarts"), n.max_restarts)
         n.pids = pids_of(ev)
         n.ranks = sorted(n.pids)
+        n.identity = ev["identity"] if isinstance(ev.get("identity"), dict) else {}
         for rank, pid in n.pids.items():
             rs = self._rank(rank)
             rs.attempts.append(_Attempt(start=e.time, node=n.node, pid=pid))

@@ -25,8 +25,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from trainguard.cluster.stores import can_connect
+from trainguard.cluster.stores import ForgedValue, can_connect
 from trainguard.evidence import NodeLost, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.options import given, positive, seconds
@@ -92,7 +93,7 @@ class LivenessMonitor(Monitor):
             try:
                 store.add(f"{PREFIX}/n{ctx.node_rank}", 1)
                 for n in others:
-                    count = -1 if store.check([f"{PREFIX}/done/{n}"]) else store.add(f"{PREFIX}/n{n}", 0)
+                    count = -1 if _marked(store, f"{PREFIX}/done/{n}") else store.add(f"{PREFIX}/n{n}", 0)
                     now = time.monotonic()
                     with self._lock:
                         last = self._seen.get(n)
@@ -196,3 +197,15 @@ class LivenessMonitor(Monitor):
 
 def create(options: argparse.Namespace) -> Monitor | None:
     return LivenessMonitor(LivenessSettings.from_options(options))
+
+
+def _marked(store: Any, key: str) -> bool:
+    """Whether an agent of this job wrote ``key``: a forged "done" mark (reported) must not hide a
+    node that goes silent."""
+    if not store.check([key]):
+        return False
+    try:
+        store.get(key)
+    except ForgedValue:
+        return False
+    return True

@@ -176,7 +176,10 @@ class StragglerMonitor(Monitor):
         for w in ex.published[:4]:
             keys = [self._key(ctx, w, n) for n in range(ctx.nnodes)]
             if ctx.store.check(keys):
-                ex.merged[w] = [S.RankWindow.from_dict(d) for blob in exchange.get_all(ctx.store, keys) for d in json.loads(blob)]
+                blobs = exchange.get_all(ctx.store, keys)
+                if len(blobs) < len(keys):
+                    continue  # a forged window (reported, left out) stands where a node's should be
+                ex.merged[w] = [S.RankWindow.from_dict(d) for blob in blobs.values() for d in json.loads(blob)]
                 complete.append(w)
         if complete:  # an older window still missing somewhere was lost there (a rank lost records)
             ex.published = [w for w in ex.published if w > max(complete)]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.options import node_name_problem
 from trainguard.schedulers import kubernetes, slurm
 
 log = logging.getLogger("trainguard")
@@ -98,14 +99,23 @@ class Scheduler:
 
     # ---- exclusion ------------------------------------------------------------------------------
     def excluded_nodes(self) -> list[str]:
+        """The names in the exclude file: one a line; a line that is not a node name (damaged, or
+        edited by hand) is skipped, never split into other names."""
         try:
-            lines = (self.run_dir / EXCLUDE_FILE).read_text().split()
-        except OSError:
+            lines = (self.run_dir / EXCLUDE_FILE).read_text(errors="replace").splitlines()
+        except (OSError, ValueError):
             return []
-        return list(dict.fromkeys(n for n in lines if n))
+        names = [ln.strip() for ln in lines if ln.strip()]
+        bad = [n for n in names if node_name_problem(n)]
+        if bad:
+            log.warning("trainguard: ignoring %d line(s) of %s that are not node names: %s", len(bad),
+                        self.run_dir / EXCLUDE_FILE, ", ".join(map(repr, bad[:3])))
+        return list(dict.fromkeys(n for n in names if not node_name_problem(n)))
 
     def _remember(self, node: str) -> list[str]:
         nodes = self.excluded_nodes()
+        if node_name_problem(node):  # refused at the parser; never written where Slurm lists are made from it
+            return nodes
         if node not in nodes:
             with open(self.run_dir / EXCLUDE_FILE, "a") as f:  # O_APPEND: nodes sharing the run dir
                 f.write(node + "\n")
@@ -114,17 +124,20 @@ class Scheduler:
 
     def resubmit_line(self, nodes: list[str]) -> str:
         script = slurm.batch_script(self.job.job_id, self.runner) if self.job else None
-        return f"sbatch --exclude={','.join(nodes)} {shlex.quote(script) if script else '<your batch script>'}"
+        return f"sbatch {shlex.quote('--exclude=' + ','.join(nodes))} {shlex.quote(script) if script else '<your batch script>'}"
 
     def on_excluded(self, node: str, reason: str, nodes_left: int | None, min_nodes: int | None) -> None:
         nodes = self._remember(node)
         if self.job is not None or self.drain:
             line = self.resubmit_line(nodes)
-            print(f"trainguard: {node} added to {self.run_dir / EXCLUDE_FILE}; to resubmit without it: {line}", flush=True)
+            listed = "added to" if node in nodes else "not a node name, not added to"
+            print(f"trainguard: {node} {listed} {self.run_dir / EXCLUDE_FILE}; to resubmit without it: {line}", flush=True)
         else:
             line = ""
         evidence: dict[str, Any] = {"node": node, "reason": reason, "exclude_list": nodes, "resubmit": line}
-        if self.drain:
+        if self.drain and (problem := node_name_problem(node)):
+            print(f"trainguard: not draining: {problem}", flush=True)
+        elif self.drain:
             out = slurm.drain(node, reason, self.runner)
             evidence["drained"] = out.ok
             if out.ok:

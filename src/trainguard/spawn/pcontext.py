@@ -5,6 +5,7 @@ through trainguard's per-rank log pumps."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -22,6 +23,8 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from trainguard.spawn.logs import error_file_path, finished_file_path, rank_log_path
 from trainguard.spawn.pool import WorkerPool, WorkerProcess
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,18 @@ class _Handler(SubprocessHandler):
 
 
 EXIT_GRACE_S = 60.0  # how long the others may take to end once a worker crashed after finishing
+
+
+def ignores_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (SIG_IGN, from /proc/<pid>/status); False when unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 class TrainguardPContext(SubprocessContext):
@@ -193,6 +208,21 @@ class TrainguardPContext(SubprocessContext):
                 self._set_aside_broken_error_files()
         return super()._poll()
 
+    def _stop_signal_for_workers(self, sig: signal.Signals) -> signal.Signals:
+        """The signal that stops the workers: the agent's own (SIGINT gives the user's script its
+        KeyboardInterrupt, as under torchrun), unless they ignore it. A shell script's background
+        job starts with SIGINT and SIGQUIT ignored (nohup: SIGHUP), the workers inherit that, and
+        the agent's stop would reach them as nothing until the stop timeout's SIGKILL."""
+        if sig == signal.SIGTERM:
+            return sig
+        deaf = [h.proc.pid for h in self.subprocess_handlers.values()
+                if h.proc.poll() is None and ignores_signal(h.proc.pid, sig)]  # fmt: skip
+        if not deaf:
+            return sig
+        log.warning("the workers ignore %s (inherited from the shell that started the job in the background): "
+                    "stopping them with SIGTERM", sig.name)
+        return signal.SIGTERM
+
     def _set_aside_broken_error_files(self) -> None:
         for path in map(Path, self.error_files.values()):
             try:
@@ -203,7 +233,7 @@ class TrainguardPContext(SubprocessContext):
                 path.replace(path.with_suffix(".broken"))
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
-        super()._close(death_sig, timeout)
+        super()._close(self._stop_signal_for_workers(death_sig), timeout)
         for handler in self.subprocess_handlers.values():
             # The worker may be gone while its children (DataLoader workers...) live on in its group.
             try:

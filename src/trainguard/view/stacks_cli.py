@@ -1,7 +1,7 @@
 """`trainguard stacks RUN_DIR`: every rank's Python stacks, now — one command to all workers.
 
 Ranks of this host are dumped directly with py-spy: their pids come from each node's latest
-``job_started`` event, checked to be the same processes (started before that event). Ranks of
+``job_started`` event, checked to be the same processes on this same machine (probes/identity.py). Ranks of
 other nodes are asked for through a request file in the run directory, which every agent watches
 and answers into (see rundir/stack_requests.py); that needs the run directory on a filesystem the
 nodes share. Dumps never pause a worker.
@@ -17,16 +17,13 @@ import sys
 import time
 from typing import Any
 
-import psutil
-
 from trainguard.events.summary import JobSummary, NodeState
 from trainguard.options import seconds
-from trainguard.probes import stacks
+from trainguard.probes import identity, stacks
 from trainguard.rundir import stack_requests as req
 from trainguard.rundir.readers import NotARunDir, check_run_dir, read_events
 
 LIVE = ("starting", "running", "recovering", "restarting")
-START_SLACK_S = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,15 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _verified(node: NodeState) -> dict[int, int] | None:
-    """rank -> pid when every pid is still the worker the event named (not a reused pid)."""
-    for pid in node.pids.values():
-        try:
-            created = psutil.Process(pid).create_time()
-        except psutil.NoSuchProcess:
-            return None
-        if node.started is not None and created > node.started + START_SLACK_S:
-            return None
-    return dict(node.pids)
+    """rank -> pid when every pid is, on this machine, the worker the event named (not another
+    node's pid, not a reused one: probes/identity.py); else None."""
+    return None if identity.why_not(node.identity, node.pids) else dict(node.pids)
 
 
 def _local_names(args: argparse.Namespace) -> set[str]:

@@ -25,7 +25,10 @@ Every node judges the stall from its own ranks; the job gets one ``hang_detected
 - A suspicion is recorded by the first node to claim it (``suspected/<incident>``, the incident
   named by the step the stall follows); that node also records its ``hang_cleared``.
 
-Keys live in the round's rendezvous store, scoped like every exchange (cluster/exchange.py).
+Keys live in the round's rendezvous store, scoped like every exchange (cluster/exchange.py), and
+their values are signed with the job's key (cluster/stores.py ``SignedStore``): a forged view,
+claim or verdict is reported and never acted on. The two counters are not signed (``add``): a
+forger can only delay a verdict through them, never make one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.cluster import exchange
+from trainguard.cluster.stores import ForgedValue
 from trainguard.detect.culprit import CulpritVerdict, RankView
 from trainguard.detect.progress import BUSY, PROGRESSING
 from trainguard.evidence import HangEvidence
@@ -213,7 +217,7 @@ class HangExchange:
             late = {k.rsplit("/", 1)[1] for k in keys} - {k.rsplit("/", 1)[1] for k in ready}
             ready += [k for k in self._others("views") if k.rsplit("/", 1)[1] in late and self.store.check([k])]
         found: dict[int, NodeViews] = {}
-        for key, raw in zip(ready, exchange.get_all(self.store, ready), strict=True):
+        for key, raw in exchange.get_all(self.store, ready).items():
             try:
                 nv = NodeViews.from_json(raw)
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -224,21 +228,34 @@ class HangExchange:
 
     def claim(self) -> bool:
         """This node judges the incident for the job (the first to claim it)."""
-        return exchange.first_writer(self.store, self._key("claim"), str(self.node_rank))[0]
+        return self._first(self._key("claim"), str(self.node_rank))
 
     def claim_suspicion(self, incident: str) -> bool:
-        return exchange.first_writer(self.store, self._key(f"suspected/{incident}"), str(self.node_rank))[0]
+        return self._first(self._key(f"suspected/{incident}"), str(self.node_rank))
+
+    def _first(self, key: str, value: str) -> bool:
+        try:
+            return exchange.first_writer(self.store, key, value)[0]
+        except ForgedValue:  # a forger keeps writing there: another node (or the wait's end) judges
+            return False
 
     def offer(self, ev: HangEvidence) -> HangEvidence:
         """Write this verdict unless one stands already; the verdict that stands."""
-        mine, stood = exchange.first_writer(self.store, self._key("verdict"), verdict_to_json(ev))
+        try:
+            mine, stood = exchange.first_writer(self.store, self._key("verdict"), verdict_to_json(ev))
+        except ForgedValue:  # a forger keeps writing there (reported): this node's own judgement
+            return ev
         return ev if mine else verdict_from_json(stood)
 
     def verdict(self, wait_s: float = 0.0) -> HangEvidence | None:
+        """The job's verdict; a forged one (reported) is no verdict."""
         key = self._key("verdict")
         if not exchange.wait_for(self.store, [key], wait_s):
             return None
-        return verdict_from_json(self.store.get(key))
+        try:
+            return verdict_from_json(self.store.get(key))
+        except ForgedValue:
+            return None
 
 
 def _client(store: Any) -> Any:

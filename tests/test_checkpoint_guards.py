@@ -1,0 +1,106 @@
+"""Checkpoint pruning never leaves the checkpoint dir, and never deletes the newest checkpoint
+whatever ``TRAINGUARD_CKPT_KEEP`` says; bad settings are one warning, never an exception out of
+``save()`` (issue 28, items 4 and 5)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainguard.checkpoint import disk
+from trainguard.checkpoint.client import Checkpointer
+from trainguard.checkpoint.persist import Persister
+from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
+
+
+@pytest.fixture
+def shm_root():
+    root = Path("/dev/shm") / f"tg-guard-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _persist_steps(ckpt_dir: Path, shm_root: Path, steps: list[int], keep: int) -> None:
+    """Snapshots of ``steps`` taken by a real Checkpointer, each persisted (and pruned) by a real Persister."""
+    shm = make_shm_dir(shm_root)
+    persister = Persister(shm, ckpt_dir, keep, lambda *a, **k: None)
+    w = Checkpointer(shm, ckpt_dir, 0, 1)
+    try:
+        for step in steps:
+            assert w.save({"w": torch.full((64,), float(step)), "step": step}, step, overlap=False)
+            persister.run_pass()
+    finally:
+        w.close()
+        persister.stop(flush=False)
+        release_shm_dir(shm)
+
+
+def test_pruning_never_follows_a_symlinked_step_dir(tmp_path, shm_root):
+    """A ``step-*`` link in the checkpoint dir pointing at another dir's checkpoint: pruning the
+    job's old steps leaves the files behind the link alone."""
+    elsewhere, ckpt = tmp_path / "elsewhere", tmp_path / "ckpt"
+    _persist_steps(elsewhere, shm_root, [1], keep=3)
+    outside = disk.step_dir(elsewhere, 1)
+    victims = sorted(p.name for p in outside.iterdir())
+    assert victims == ["rank-00000.bin", "rank-00000.json"]
+    ckpt.mkdir()
+    disk.step_dir(ckpt, 1).symlink_to(outside, target_is_directory=True)
+    _persist_steps(ckpt, shm_root, [2, 3, 4], keep=2)
+    assert sorted(p.name for p in outside.iterdir()) == victims  # nothing deleted through the link
+    assert disk.step_dir(ckpt, 1).is_symlink()
+    assert [s for s in disk.list_steps(ckpt, 0) if s > 1] == [4, 3]  # the job's own steps pruned as usual
+
+
+@pytest.mark.parametrize("keep", [0, 1, -1])
+def test_prune_keeps_the_newest_whatever_keep_says(tmp_path, shm_root, keep):
+    ckpt = tmp_path / "ckpt"
+    _persist_steps(ckpt, shm_root, [1, 2, 3], keep=keep)
+    assert disk.list_steps(ckpt, 0)[:1] == [3]
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from trainguard import checkpoint as ckpt
+    from trainguard.checkpoint import disk
+    for step in (1, 2, 3, 4):
+        assert ckpt.save({"w": torch.full((64,), float(step)), "step": step}, step) is True
+        ckpt.wait()  # on disk (and pruned) before the next
+    print("steps", disk.list_steps(disk.Path("CKPT"), 0))
+""")
+
+
+def _local_mode(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "TRAINGUARD_CKPT_DIR": str(ckpt), "TRAINGUARD_CKPT_OVERLAP": "0", **env}
+    for k in ("TRAINGUARD_CKPT_SHM_DIR", "TRAINGUARD_RUN_DIR"):  # local mode: no agent
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-c", SCRIPT.replace("CKPT", str(ckpt))], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", ""])
+def test_a_bad_keep_setting_warns_once_and_keeps_the_default(tmp_path, shm_root, value):
+    res = _local_mode(tmp_path, {"TRAINGUARD_CKPT_KEEP": value, "TRAINGUARD_CKPT_SHM_ROOT": str(shm_root)})
+    assert res.returncode == 0, res.stderr
+    assert "steps [4, 3, 2]" in res.stdout  # the default 3, newest first
+    warnings = [ln for ln in res.stderr.splitlines() if "TRAINGUARD_CKPT_KEEP" in ln]
+    assert len(warnings) == 1 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_missing_shm_root_warns_once_and_snapshots_go_to_the_default(tmp_path):
+    missing = tmp_path / "no-such-tmpfs"
+    res = _local_mode(tmp_path, {"TRAINGUARD_CKPT_KEEP": "2", "TRAINGUARD_CKPT_SHM_ROOT": str(missing)})
+    assert res.returncode == 0, res.stderr
+    assert "steps [4, 3]" in res.stdout
+    warnings = [ln for ln in res.stderr.splitlines() if "TRAINGUARD_CKPT_SHM_ROOT" in ln]
+    assert len(warnings) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert not missing.exists()  # never created behind the user's back
