@@ -74,8 +74,9 @@ def diagnose_paths(
         failure_info[int(rank)] = {**failure_info.get(int(rank), {}), **info}
     _agent_order_first(failure_info)
     extra = failure_hits(failure_info, rules) + oom_hits(oom, rules)
+    live = failures is not None or oom is not None  # the agent asks: it knows the job stopped
     result, first = analyze(
-        scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold
+        scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold, live=live
     )
     ff = result.get("first_failure")
     off = first.offset if first is not None else None

@@ -1,7 +1,7 @@
 """Split one log line into (time, rank, host, message).
 
 Understands the prefixes training logs carry, outermost first:
-a viewer's line number ``[80746] ``, Ray's ``(WorkerDict pid=88231, ip=10.2.3.14) ``, a runner's
+a viewer's line number ``[80746] ``, mpirun/Horovod's ``[1,3]<stderr>:`` (rank 3), Ray's ``(WorkerDict pid=88231, ip=10.2.3.14) ``, a runner's
 ``NAME [stderr] `` tag, ``[pod/NAME/CONTAINER] `` (kubectl logs --prefix), an ISO timestamp with optional zone and CRI
 ``stdout F`` marker (trainguard's per-rank logs, containerd, python logging), torchrun's
 ``[rankN]:`` / ``[defaultN]:``, glog/torch-elastic ``E1206 18:44:12.715298 PID file:line] `` (also
@@ -21,6 +21,7 @@ _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct N
 
 _PREFIX = re.compile(
     r"(?:\[\d{2,9}\] (?=\S))?"  # a log viewer's line number
+    r"(?:\[\d+,(?P<mpi>\d+)\]<(?:stdout|stderr)>:\s?)?"  # mpirun/Horovod: [jobid,rank]<stream>:
     r"(?:\((?:\w+) pid=\d+(?:, ip=(?P<ray>[\w.:-]+))?\) )?"  # Ray actor/task output
     r"(?:\S+ \[(?:stdout|stderr)\] )?"  # runner tag: "bench.node [stderr] "
     r"(?:\[pod/(?P<pod>[^/\]\s]+)/[^\]\s]*\]\s*)?"
@@ -92,8 +93,8 @@ def parse_line(line: str, default_year: int = 1970) -> LineInfo:
         host = g["pod"] or g["ray"]
         if g["iso"]:
             t = _from_groups(g, default_year)
-        if g["rank"]:
-            rank = int(g["rank"])
+        if g["rank"] or g["mpi"]:
+            rank = int(g["rank"] or g["mpi"])
         if g["glog"] and t is None:
             t = _seconds(
                 default_year, int(g["gM"]), int(g["gD"]), int(g["gh"]), int(g["gm"]), int(g["gs"]), g["gf"]

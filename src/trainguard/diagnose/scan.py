@@ -19,7 +19,7 @@ from trainguard.diagnose.lines import _NCCL_HOST, LineInfo, parse_line, rank_in_
 from trainguard.diagnose.nanwatch import NanWatch
 from trainguard.diagnose.prefilter import Prefilter
 from trainguard.diagnose.progress import Step, step_of
-from trainguard.diagnose.rules import Rule, RuleSet
+from trainguard.diagnose.rules import TAIL_TAGS, Rule, RuleSet
 from trainguard.diagnose.sources import Source, read_chunks
 from trainguard.diagnose.steplog import StepTimer, parse_step
 
@@ -75,6 +75,10 @@ class SourceScan:
     styles: set[str] = field(default_factory=set)  # frameworks recognised from the progress lines
     completed: bool = False  # a completion line (rules tagged "completion")
     started: bool = False  # a start-up marker (rules tagged "startup")
+    # tail-only markers (rules tagged startup, stackdump, loading, memreport): tag -> the last one,
+    # as (position among the tail's lines, the line, the pattern's named groups)
+    marks: dict[str, tuple[int, str, dict[str, str]]] = field(default_factory=dict)
+    last_step_at: int | None = None  # position of the last progress line among the tail's lines
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
 
 
@@ -106,7 +110,7 @@ def _groups(m) -> dict[str, str | None]:
 class Scanner:
     def __init__(self, rules: RuleSet, engine: str = "auto") -> None:
         self.all_rules = rules
-        self._startup = [r for r in rules.rules if "startup" in r.tags]
+        self._tail_rules = [r for r in rules.rules if TAIL_TAGS & set(r.tags)]
         self.rules = rules = rules.for_logs()
         self.prefilter = Prefilter(rules.keywords(), engine)
         self.text_prefilter = Prefilter(self.all_rules.keywords(), engine)
@@ -255,12 +259,21 @@ class Scanner:
                 return r
         return rank_in_text(info.message)
 
+    def _mark(self, out: SourceScan, at: int, raw: str, msg: str) -> None:
+        for r in self._tail_rules:
+            m = r.match(msg)
+            if m is None:
+                continue
+            for tag in TAIL_TAGS & set(r.tags):
+                out.marks[tag] = (at, raw[:MAX_LINE], {k: v for k, v in m.groupdict().items() if v is not None})
+            out.started = out.started or "startup" in r.tags
+
     def _scan_tail(self, data: bytes, out: SourceScan, year: int) -> None:
         src = out.source
         timers: dict[int | None, StepTimer] = {}
         nan = NanWatch()
         text = data.decode("utf-8", errors="replace")
-        for raw in re.split(r"[\r\n]+", text):
+        for at, raw in enumerate(re.split(r"[\r\n]+", text)):
             if not raw or len(raw) > MAX_LINE:
                 continue
             info = parse_line(raw, year)
@@ -272,11 +285,10 @@ class Scanner:
                 out.ranks.add(rank)
             if info.time is not None:
                 out.last_time[rank] = info.time
-            if not out.started and any(r.match(msg) for r in self._startup):
-                out.started = True
+            self._mark(out, at, raw, msg)
             st = step_of(msg)
             if st is not None:
-                out.last_step, out.last_step_line = st, raw
+                out.last_step, out.last_step_line, out.last_step_at = st, raw, at
                 out.styles.add(st.style)
             watched = nan.feed(rank, msg)
             if watched and self._nan_rule is not None and len(out.hits) < MAX_HITS:
