@@ -131,6 +131,12 @@ def test_nan_in_dict_style_metric_lines(tmp_path, line):
     assert r["category"] == "nan_loss", r["summary"]
 
 
+def test_one_nan_gradient_norm_followed_by_finite_records_is_a_skipped_step(tmp_path):
+    ok = "{'loss': 1.95, 'grad_norm': 0.8, 'learning_rate': 1.9e-05, 'epoch': 0.40}\n"
+    r = diag(tmp_path, ok * 3 + "{'loss': 1.94, 'grad_norm': nan, 'learning_rate': 1.9e-05, 'epoch': 0.41}\n" + ok * 3)
+    assert r["category"] == "healthy", r["summary"]
+
+
 def test_an_error_message_without_exception_type_before_the_launchers_exitcode_1(tmp_path):
     r = diag(tmp_path, """
 [rank1]: Error: dataset path /data/train.jsonl does not exist, please check data_args

@@ -335,17 +335,18 @@ def gate_needs_exit(hits: list[Hit]) -> list[Hit]:
     return out
 
 
-_WORK = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
+_WORK = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
 
 
 def odd_rank(hits: list[Hit]) -> int | None:
-    """NCCL watchdog timeouts at one sequence number: the one rank whose op type differs from all
-    the others' is the odd one out (it called another collective), not the lowest rank."""
-    ops: dict[int, dict[int, str]] = {}
+    """NCCL watchdog timeouts at one sequence number: the one rank whose op (type, and element
+    count) differs from all the others' is the odd one out (it called another collective, or the
+    same one on another tensor), not the lowest rank."""
+    ops: dict[int, dict[int, tuple[str, str | None]]] = {}
     for h in hits:
         m = _WORK.search(h.message) if h.rule.category == "nccl_timeout" and h.rank is not None else None
         if m:
-            ops.setdefault(int(m[1]), {})[h.rank] = m[2]  # type: ignore[index]
+            ops.setdefault(int(m[1]), {})[h.rank] = (m[2], m[3])  # type: ignore[index]
     for by_rank in ops.values():
         counts = Counter(by_rank.values()).most_common()
         if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:

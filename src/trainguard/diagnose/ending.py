@@ -19,6 +19,7 @@ Memory ... percent``) raises the confidence.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from trainguard.diagnose.scan import SourceScan
@@ -46,10 +47,17 @@ def _at(kind: str, why: str, s: SourceScan | None, line: str) -> Ending:
     return Ending(kind, why, line, str(s.source.path), s.source.rank, s.source.host)
 
 
+# tqdm bars that count data or files, not training steps (dataset maps, shards, downloads)
+_DATA_BAR = re.compile(r"(?i)examples/s|shards|dataset|split|tokeniz|convert|filter|download|generating|"
+                       r"\bmap\b|loading|preprocess|fetching|files/s|ba/s")  # fmt: skip
+
+
 def _stepped(s: SourceScan) -> bool:
     """Some training step was logged (a counter past 0, a step line, a step-timed sample)."""
-    st = s.last_step
-    if st is not None and st.n != 0:
+    st, line = s.last_step, s.last_step_line
+    if st is not None and st.n is None and (st.style == "lightning" or "{'" in line):  # a metrics record
+        return True
+    if st is not None and st.n and not (st.style == "tqdm" and _DATA_BAR.search(line)):
         return True
     return any(p.step for p in s.progress.values()) or any(s.steps.values())
 

@@ -313,3 +313,7 @@ class Scanner:
                 series = out.steps.setdefault(rank, [])
                 if sample is not None and len(series) < MAX_STEP_SAMPLES:
                     series.append(sample)
+        for rank, record, verdict in nan.finish() if self._nan_rule is not None else ():
+            if len(out.hits) < MAX_HITS:
+                out.hits.append(Hit(self._nan_rule, rank, src.host, None, str(src.path), None, record, verdict,  # type: ignore[arg-type]
+                                    order=1 << 30))  # fmt: skip
