@@ -488,13 +488,13 @@ def _offline_end(result: dict[str, Any], ctx: Context, rules: RuleSet) -> Ending
     if end.hang:
         _hang_at(result, rules, "medium", f"{end.why}: the job hung (at its start, or where the dump shows)")
         result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
-        result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file}]
+        result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
         return end
     conf = "high" if end.kind == "completed" else "medium"
     result.update(summary=rules.summary_for("healthy") + (f" ({end.why})" if end.kind != "nothing" else ""),
                   fix=rules.fix_for("healthy"), confidence=conf)  # fmt: skip
     if end.line:
-        result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file}]
+        result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
     return end
 
 
@@ -510,7 +510,8 @@ def _offline_kill(result: dict[str, Any], first: Incident, ctx: Context, rules: 
                   summary=f"host RAM OOM likely (confirm with dmesg): killed by SIGKILL {likely.why}, and these logs "
                           "have no kernel line; the kernel's OOM killer is the likely sender, `dmesg -T | grep -i oom` "
                           "on the node confirms it" + (f" ({where}" if where else ""))  # fmt: skip
-    result["evidence"] = [{"line": ln, "rank": first.best.rank} for ln in likely.lines] + result["evidence"]
+    result["evidence"] = [{"line": ln, "rank": first.best.rank, "rule": rid}
+                          for ln, rid in zip(likely.lines, likely.rules, strict=True)] + result["evidence"]
     return True
 
 

@@ -35,16 +35,18 @@ class Ending:
     file: str | None = None
     rank: int | None = None
     host: str | None = None
+    rule: str = ""  # the rule whose line shows it (a tail marker), if any
 
     @property
     def hang(self) -> bool:
         return self.kind in ("stack_dump", "stalled_at_start", "zero_steps")
 
 
-def _at(kind: str, why: str, s: SourceScan | None, line: str) -> Ending:
+def _at(kind: str, why: str, s: SourceScan | None, line: str, tag: str = "") -> Ending:
     if s is None:
         return Ending(kind, why, line)
-    return Ending(kind, why, line, str(s.source.path), s.source.rank, s.source.host)
+    rule = s.marks[tag][3] if tag in s.marks else ""
+    return Ending(kind, why, line, str(s.source.path), s.source.rank, s.source.host, rule)
 
 
 # tqdm bars that count data or files, not training steps (dataset maps, shards, downloads)
@@ -69,13 +71,13 @@ def log_ending(scans: list[SourceScan]) -> Ending:
     dump = next((s for s in scans if "stackdump" in s.marks), None)
     if dump is not None:
         return _at("stack_dump", "a stack dump of the live processes is among the logs (taken because the job "
-                   "made no progress) and no error was logged", dump, dump.marks["stackdump"][1])  # fmt: skip
+                   "made no progress) and no error was logged", dump, dump.marks["stackdump"][1], "stackdump")  # fmt: skip
     stepped = [s for s in scans if _stepped(s)]
     if not stepped:
         start = next((s for s in scans if "startup" in s.marks), None)
         if start is not None:
             return _at("stalled_at_start", "the log stops right after start-up with no training step logged",
-                       start, start.marks["startup"][1])  # fmt: skip
+                       start, start.marks["startup"][1], "startup")  # fmt: skip
         zero = next((s for s in scans if s.last_step is not None and s.last_step.n == 0 and s.last_step.total), None)
         if zero is not None:
             st = zero.last_step
@@ -92,6 +94,7 @@ class OomLikely:
     confidence: str  # high | medium
     lines: list[str]  # the loading line and the memory report, as logged
     why: str
+    rules: list[str]  # the ids of the rules that matched them
 
 
 def oom_likely(scans: list[SourceScan]) -> OomLikely | None:
@@ -116,4 +119,4 @@ def oom_likely(scans: list[SourceScan]) -> OomLikely | None:
     if full:
         what += f" (the log's memory report: {percent:g} % of host RAM used)"
     conf = "high" if loading and full else "medium"
-    return OomLikely(conf, lines, what)
+    return OomLikely(conf, lines, what, [x[3] for x in (loading, report) if x is not None])

@@ -76,8 +76,8 @@ class SourceScan:
     completed: bool = False  # a completion line (rules tagged "completion")
     started: bool = False  # a start-up marker (rules tagged "startup")
     # tail-only markers (rules tagged startup, stackdump, loading, memreport): tag -> the last one,
-    # as (position among the tail's lines, the line, the pattern's named groups)
-    marks: dict[str, tuple[int, str, dict[str, str]]] = field(default_factory=dict)
+    # as (position among the tail's lines, the line, the pattern's named groups, the rule's id)
+    marks: dict[str, tuple[int, str, dict[str, str], str]] = field(default_factory=dict)
     last_step_at: int | None = None  # position of the last progress line among the tail's lines
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
 
@@ -265,7 +265,7 @@ class Scanner:
             if m is None:
                 continue
             for tag in TAIL_TAGS & set(r.tags):
-                out.marks[tag] = (at, raw[:MAX_LINE], {k: v for k, v in m.groupdict().items() if v is not None})
+                out.marks[tag] = (at, raw[:MAX_LINE], {k: v for k, v in m.groupdict().items() if v is not None}, r.id)
             out.started = out.started or "startup" in r.tags
 
     def _scan_tail(self, data: bytes, out: SourceScan, year: int) -> None:
