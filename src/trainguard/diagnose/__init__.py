@@ -100,6 +100,9 @@ def diagnose_paths(
             "(no OOM-killer event)", "(no OOM-killer event: the kernel's oom_kill counters did not move)"
         )
         result["confidence"] = "medium"
+    elif result["category"] == "killed_external" and live:  # the agent could not read the kernel's counters
+        result["confidence"] = "low"
+    result["hypotheses"][0]["confidence"] = result["confidence"]
     if oom:
         result["oom_check"] = oom
     notes += [n for s in scans for n in s.notes]

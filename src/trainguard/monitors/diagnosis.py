@@ -11,7 +11,7 @@ counters (the workers' cgroups, else /proc/vmstat) are read when workers start a
 fail (probes/oom.py); the diagnosis gets the difference, so an outside ``kill -9`` reads
 killed_external (not by the OOM killer), not host_oom. Live, the counters decide: the offline
 reading "host RAM OOM likely" of a SIGKILL while loading (diagnose/ending.py) is not used here.
-A low-confidence diagnosis is a warning event, and the policy does not stop the job on it.
+A low-confidence diagnosis says so in its event, and the policy does not stop the job on it.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class DiagnosisMonitor(Monitor):
         severity = "error" if diagnosis.category in _ERROR_CATEGORIES else "warning"
         msg = f"{diagnosis.category}: {diagnosis.summary}"
         if diagnosis.confidence == "low":  # a lead, not a verdict: the policy does not stop the job on it
-            severity, msg = "warning", msg + " (low confidence)"
+            msg += " (low confidence)"
         if diagnosis.fix:
             msg += f" — fix: {diagnosis.fix.split('. ')[0]}"
         ctx.events.emit("diagnosis", msg, severity=severity, rank=rank, evidence=diagnosis.to_dict())
