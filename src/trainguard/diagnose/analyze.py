@@ -486,7 +486,8 @@ def _live_stopped(result: dict[str, Any], ctx: Context, rules: RuleSet) -> None:
 def _offline_end(result: dict[str, Any], ctx: Context, rules: RuleSet) -> Ending:
     end = log_ending(ctx.scans)
     if end.hang:
-        _hang_at(result, rules, "medium", f"{end.why}: the job hung (at its start, or where the dump shows)")
+        where = "the stack dump shows where" if end.kind == "stack_dump" else "before its first training step"
+        _hang_at(result, rules, "medium", f"{end.why}: the job hung ({where})")
         result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
         result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
         return end
@@ -530,7 +531,8 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
     ff = result.get("first_failure") or {}
     out = [_hypo(result["category"], result["confidence"], result["summary"], result["evidence"], ff.get("rank"))]
     if oom_guess:
-        out.append(_hypo("killed_external", "low", rules.summary_for("killed_external"), [ff], ff.get("rank")))
+        out.append(_hypo("killed_external", "low", "killed by SIGKILL from outside the job (a scheduler, a person, a "
+                         "watchdog): nothing in these logs names the sender", [ff], ff.get("rank")))  # fmt: skip
     elif result["category"] == "killed_external":
         out.append(_hypo("host_oom", "low", "host RAM OOM is possible: these logs have no kernel line to tell "
                          "(confirm or rule out with dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
@@ -576,7 +578,8 @@ def analyze(
     result["hypotheses"] = hypotheses(result, first, ctx, rules, end, oom_guess)
     if result["confidence"] == "low":
         alt = next((h["category"] for h in result["hypotheses"][1:]), None)
-        result["low_confidence"] = ("low confidence: the evidence is weak; treat this as a lead, not a verdict"
-                                    + (f" (also possible: {alt})" if alt else ""))  # fmt: skip
+        basis = (result.get("first_failure") or {}).get("rule") or "no rule"
+        result["low_confidence"] = (f"low confidence: only weak evidence ({basis}); a lead, not a verdict"
+                                    + (f"; also possible: {alt}" if alt else ""))  # fmt: skip
     result["ranks"] = sorted(ctx.ranks_seen)
     return result, (first.best if first is not None else None)
