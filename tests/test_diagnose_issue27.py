@@ -235,3 +235,23 @@ def test_low_confidence_verdicts_say_so_in_one_line(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("low confidence:") for line in out) == 1
     assert "hypotheses:" in out
+
+
+def test_a_log_that_ends_on_a_horovod_stall_warning_is_a_hang_and_one_with_progress_after_is_not(tmp_path):
+    stall = ("[1,0]<stderr>:[2026-08-14 10:02:11.530912: W /tmp/horovod/common/stall_inspector.cc:107] One or more "
+             "tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for "
+             "remainder of ranks for more than 60 seconds.")  # fmt: skip
+    step = "[1,0]<stdout>:Train Epoch 1 [{}/60000 (5%)]\tLoss: 0.{}"
+    progress = "\n".join(step.format(i * 640, 900 - i) for i in range(1, 6))
+    assert diag(tmp_path, progress + "\n" + stall + "\n", "a.log")["category"] == "hang_no_error"
+    assert diag(tmp_path, stall + "\n" + progress + "\n", "b.log")["category"] == "healthy"
+
+
+def test_metric_lines_without_a_step_counter_are_progress_not_a_stall_at_start(tmp_path):
+    """fairseq/torchtune/pytorch-examples metric lines: the run got past its start."""
+    text = ("2026-01-01 10:00:00 | INFO | torch.distributed.distributed_c10d | Rank 0: Completed store-based barrier "
+            "for key:store_based_barrier_key:1 with 8 nodes.\n"
+            "2026-01-01 10:05:00 | INFO | train_inner | epoch 001:    100 / 1000 loss=9.1, nll_loss=9.0, ppl=512\n")  # fmt: skip
+    assert diag(tmp_path, text)["category"] == "healthy"
+    r = diag(tmp_path, text.splitlines()[0] + "\n", "init_only.log")
+    assert r["category"] == "hang_no_error" and "store-based barrier" in r["evidence"][0]["line"]

@@ -3,7 +3,8 @@ whether the job stopped (offline nothing says it did, or why).
 
 - A completion line: the run finished ("no failure found", high confidence).
 - A stack dump of a live process (py-spy) in the logs: someone looked at a job that made no
-  progress: a hang.
+  progress: a hang. So is a log that ends on a stall warning (Horovod: ranks waiting for the
+  others) with no progress after it.
 - Start-up got through (NCCL communicators, DDP's first bucket rebuild, Megatron's "training ...")
   and no training step was ever logged, or the only counter reads 0/N: the job stopped right at
   its start, a hang.
@@ -29,7 +30,7 @@ HIGH_RAM_PERCENT = 90.0  # a memory report at or above this share of host RAM is
 
 @dataclass(frozen=True)
 class Ending:
-    kind: str  # completed | stack_dump | stalled_at_start | zero_steps | ended_on_progress | nothing
+    kind: str  # completed | stack_dump | stall | stalled_at_start | zero_steps | ended_on_progress | nothing
     why: str
     line: str = ""  # the line that shows it
     file: str | None = None
@@ -39,7 +40,7 @@ class Ending:
 
     @property
     def hang(self) -> bool:
-        return self.kind in ("stack_dump", "stalled_at_start", "zero_steps")
+        return self.kind in ("stack_dump", "stall", "stalled_at_start", "zero_steps")
 
 
 def _at(kind: str, why: str, s: SourceScan | None, line: str, tag: str = "") -> Ending:
@@ -61,7 +62,10 @@ def _stepped(s: SourceScan) -> bool:
         return True
     if st is not None and st.n and not (st.style == "tqdm" and _DATA_BAR.search(line)):
         return True
-    return any(p.step for p in s.progress.values()) or any(s.steps.values())
+    if any(p.step for p in s.progress.values()) or any(s.steps.values()):
+        return True
+    start = s.marks.get("startup")
+    return s.last_metric_at is not None and (start is None or s.last_metric_at > start[0])
 
 
 def log_ending(scans: list[SourceScan]) -> Ending:
@@ -72,6 +76,11 @@ def log_ending(scans: list[SourceScan]) -> Ending:
     if dump is not None:
         return _at("stack_dump", "a stack dump of the live processes is among the logs (taken because the job "
                    "made no progress) and no error was logged", dump, dump.marks["stackdump"][1], "stackdump")  # fmt: skip
+    stall = next((s for s in scans if "stall" in s.marks and s.marks["stall"][0] > max(
+        s.last_step_at if s.last_step_at is not None else -1, s.last_metric_at if s.last_metric_at is not None else -1)), None)
+    if stall is not None:
+        return _at("stall", "the log ends on a stall warning (ranks waiting for the others) with no progress after it",
+                   stall, stall.marks["stall"][1], "stall")  # fmt: skip
     stepped = [s for s in scans if _stepped(s)]
     if not stepped:
         start = next((s for s in scans if "startup" in s.marks), None)

@@ -74,8 +74,9 @@ FAMILIES = ("user_code", "hardware", "communication", "signal", "exit", "environ
 #   stackdump  a stack dump of a live process (py-spy): someone looked at a stuck job (tail only)
 #   loading    loading a model, shards or optimizer state (tail only; offline SIGKILL -> host OOM likely)
 #   memreport  the log's own host memory report, with a group ``percent`` (tail only)
-TAGS = ("oom_kill", "exit", "completion", "startup", "text", "needs_exit", "stackdump", "loading", "memreport")
-TAIL_TAGS = {"startup", "stackdump", "loading", "memreport"}  # looked for in a log's tail only
+#   stall      ranks wait for the others (tail only): a hang when no progress line follows it
+TAGS = ("oom_kill", "exit", "completion", "startup", "text", "needs_exit", "stackdump", "loading", "memreport", "stall")
+TAIL_TAGS = {"startup", "stackdump", "loading", "memreport", "stall"}  # looked for in a log's tail only
 _REGEX_META = set(".^$*+?{}[]\\|()")
 MAX_USER_PATTERN = 2000
 

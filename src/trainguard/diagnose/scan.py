@@ -79,6 +79,7 @@ class SourceScan:
     # as (position among the tail's lines, the line, the pattern's named groups, the rule's id)
     marks: dict[str, tuple[int, str, dict[str, str], str]] = field(default_factory=dict)
     last_step_at: int | None = None  # position of the last progress line among the tail's lines
+    last_metric_at: int | None = None  # ... of the last line reporting a loss/accuracy value (any format)
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
 
 
@@ -105,6 +106,11 @@ def _groups(m) -> dict[str, str | None]:
         return m.groupdict()
     except AttributeError:  # pragma: no cover - engines without named groups
         return {}
+
+
+# a training metric with its value, in any format (fairseq "loss=9.1", torchtune "Loss: 2.3",
+# pytorch examples "Loss: 0.352"): progress even where no step counter is recognised
+_METRIC = re.compile(r"(?i)(?<![\w/])(?:train[_ ]|lm |total |nll_)?(?:loss|ppl|perplexity|acc|accuracy)\b['\"]?\s*[:=]?\s*['\"]?\d")
 
 
 class Scanner:
@@ -286,6 +292,8 @@ class Scanner:
             if info.time is not None:
                 out.last_time[rank] = info.time
             self._mark(out, at, raw, msg)
+            if ("oss" in msg or "cc" in msg or "ppl" in msg) and _METRIC.search(msg):
+                out.last_metric_at = at
             st = step_of(msg)
             if st is not None:
                 out.last_step, out.last_step_line, out.last_step_at = st, raw, at
