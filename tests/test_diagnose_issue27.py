@@ -255,3 +255,26 @@ def test_metric_lines_without_a_step_counter_are_progress_not_a_stall_at_start(t
     assert diag(tmp_path, text)["category"] == "healthy"
     r = diag(tmp_path, text.splitlines()[0] + "\n", "init_only.log")
     assert r["category"] == "hang_no_error" and "store-based barrier" in r["evidence"][0]["line"]
+
+
+def test_rays_list_of_potential_causes_is_not_a_segfault(tmp_path):
+    r = diag(tmp_path, "(raylet) A worker died or was killed while executing a task by an unexpected system error. "
+                       "There are some potential root causes. (1) The process is killed by SIGKILL by OOM killer due to "
+                       "high memory usage. (3) The worker is crashed unexpectedly due to SIGSEGV or other unexpected errors.\n"
+                       + MEGATRON_DONE)  # fmt: skip
+    assert r["category"] != "segfault"
+
+
+def test_two_launcher_reports_in_one_file_each_claim_the_lines_before_them(tmp_path):
+    table = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-06-16_08:41:{s}\n  host      : {h}\n"
+             "  rank      : {r} (local_rank: 0)\n  exitcode  : 1 (pid: {p})\n  error_file: <N/A>\n")  # fmt: skip
+    text = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.52 GiB\n"
+            "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 1) local_rank: 0 (pid: 19401) of binary: python\n"
+            + table.format(s=37, h="gpu188", r=4, p=19401)
+            + "[E ProcessGroupNCCL.cpp:828] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=211, "
+            "OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1800841 milliseconds before timing out.\n"
+            "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 1) local_rank: 0 (pid: 19414) of binary: python\n"
+            + table.format(s=59, h="gpu187", r=0, p=19414))  # fmt: skip
+    r = diag(tmp_path, text, "slurm-node-7.out")
+    assert r["category"] == "cuda_oom"
+    assert (r["first_failure"]["rank"], r["first_failure"]["host"]) == (4, "gpu188")

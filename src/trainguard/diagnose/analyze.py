@@ -126,22 +126,37 @@ def _order(inc: Incident) -> tuple:
     return (ft is None, ft or 0.0, not inc.root, start is None, start or 0.0, -inc.best.rule.priority, rank)
 
 
-def attribute(hits: list[Hit]) -> None:
+def attribute(hits: list[Hit], guessed: dict[str, str | None] | None = None) -> None:
     """Give rankless lines the rank the launcher reports as the first failure in their file, and
-    every line about one process the rank of that process (the elastic table knows global ranks)."""
+    every line about one process the rank of that process (the elastic table knows global ranks).
+    ``guessed``: file -> the host its name suggests; a host the launcher reports beats that guess."""
+    guessed = guessed or {}
+
+    def take(h: Hit, root: Hit) -> None:
+        h.rank = root.rank
+        if h.host is None or (h.host == guessed.get(h.file) and root.host):
+            h.host = root.host or h.host
+
     pid_rank = {h.pid: (h.rank, h.host) for h in hits if h.table and h.pid is not None and h.rank is not None}
     for h in hits:
         if h.pid is not None and h.pid in pid_rank and not h.synthetic:
             h.rank, h.host = pid_rank[h.pid][0], h.host or pid_rank[h.pid][1]
-    roots: dict[str, set[tuple[int, str | None]]] = {}
+    roots: dict[str, list[Hit]] = {}
     for h in hits:
         if h.root and h.rank is not None:
-            roots.setdefault(h.file, set()).add((h.rank, h.host))
+            roots.setdefault(h.file, []).append(h)
     for h in hits:
         found = roots.get(h.file)
-        if h.rank is None and found and len({r for r, _ in found}) == 1:
-            rank, host = next(iter(found))
-            h.rank, h.host = rank, h.host or host
+        if h.rank is not None or not found:
+            continue
+        if len({r.rank for r in found}) == 1:
+            take(h, found[0])
+            continue
+        # several launchers' reports in one file (one per node): the report that follows a line
+        # ends the failure it belongs to
+        after = min((r for r in found if r.order > h.order), key=lambda r: r.order, default=None)
+        if after is not None and not h.synthetic:
+            take(h, after)
 
 
 def oom_evidence(hits: list[Hit], rules: RuleSet) -> tuple[list[Hit], dict[int, list[Hit]]]:
@@ -370,7 +385,8 @@ class Context:
 
 def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, window: int, threshold: float) -> Context:
     hits = [h for s in scans for h in s.hits] + list(extra_hits)
-    attribute(hits)
+    guessed = {str(s.source.path): s.source.host for s in scans}
+    attribute(hits, guessed)
     hits = gate_needs_exit(hits)
     hits, oom_ev = oom_evidence(hits, rules)
     facts = [h for s in scans for h in s.facts]
@@ -406,8 +422,9 @@ def _failure(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleS
     cat = best.rule.category
     result.update(category=cat, confidence=_confidence(best), family=rules.family_for(best.rule))
     result["first_failure"] = {k: v for k, v in hit_dict(best).items() if k not in ("category", "role")}
-    if best.host is None:  # another line of the same failure may name the host (the elastic table)
-        result["first_failure"]["host"] = next((h.host for h in first.hits if h.host), None)
+    guess = next((s.source.host for s in ctx.scans if str(s.source.path) == best.file), None)
+    if best.host is None or best.host == guess:  # another line of the failure may name it (the elastic table)
+        result["first_failure"]["host"] = next((h.host for h in first.hits if h.host and h.host != guess), best.host)
     ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
     oom = sorted({id(x): x for h in first.hits for x in ctx.oom_ev.get(id(h), [])}.values(), key=lambda h: h.order)
     ev = [best] + oom + [h for h in ev if h is not best]
