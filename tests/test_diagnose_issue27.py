@@ -278,3 +278,16 @@ def test_two_launcher_reports_in_one_file_each_claim_the_lines_before_them(tmp_p
     r = diag(tmp_path, text, "slurm-node-7.out")
     assert r["category"] == "cuda_oom"
     assert (r["first_failure"]["rank"], r["first_failure"]["host"]) == (4, "gpu188")
+
+
+def test_an_error_the_run_went_on_training_after_is_not_the_failure(tmp_path):
+    """e.g. a library catching a CUDA OOM and retrying with a smaller batch: the same process logs
+    more steps after it, and no launcher reports an exit."""
+    lines = MEGATRON_DONE.splitlines()
+    lines.insert(2, "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB")
+    r = diag(tmp_path, "\n".join(lines) + "\n")
+    assert r["category"] == "healthy", r["summary"]
+    assert any(h["category"] == "cuda_oom" and "went on" in h["summary"] for h in r["hypotheses"])
+    # the same error as the last thing logged is the failure
+    lines = MEGATRON_DONE.splitlines()[:3] + ["torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"]
+    assert diag(tmp_path, "\n".join(lines) + "\n", "b.log")["category"] == "cuda_oom"

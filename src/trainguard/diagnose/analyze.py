@@ -381,6 +381,7 @@ class Context:
     gdr: dict[str, Any] | None
     slow: dict[str, Any] | None
     incs: list[Incident]
+    recovered: list[Incident] = field(default_factory=list)  # errors the process went on training after
 
 
 def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, window: int, threshold: float) -> Context:
@@ -406,9 +407,33 @@ def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, windo
     return Context(scans, hits, oom_ev, ranks_seen, findings, gdr, _slowdown(scans, window, threshold), incidents(hits))
 
 
+RECOVERED_STEPS = 3  # progress lines of the same rank after an error that did not end the run
+_GO_ON = ("nan_loss", "hang_no_error", "slowdown")  # failures that do not stop the progress lines
+
+
+def recovered(inc: Incident, ctx: Context) -> bool:
+    """The process went on training after this error (the same rank logged several progress lines
+    after it, and no launcher reported an exit after it): a warning it survived, not the failure
+    (HF's batch-size finder catching an OOM, a retried connection, a NCCL fallback)."""
+    offs = [h.offset for h in inc.hits if h.offset is not None and not h.synthetic]
+    if inc.best.rule.category in _GO_ON or not offs or any(h.synthetic for h in inc.hits):
+        return False
+    last, file = max(offs), inc.best.file
+    rank = inc.key[1] if inc.key[0] == "rank" else None
+    scan = next((s for s in ctx.scans if str(s.source.path) == file), None)
+    if scan is None:
+        return False
+    after = [o for o, r in scan.progress_at if o > last and (rank is None or r is None or r == rank)]
+    exits = [h for h in ctx.hits if h.file == file and "exit" in h.rule.tags and (h.offset or 0) > last]
+    return len(after) >= RECOVERED_STEPS and not exits
+
+
 def first_incident(ctx: Context) -> Incident | None:
-    causes = sorted((i for i in ctx.incs if i.best.rule.role == "cause"), key=_order)
-    symptoms = sorted((i for i in ctx.incs if i.best.rule.role != "cause"), key=_order)
+    survived = [i for i in ctx.incs if recovered(i, ctx)]
+    ctx.recovered = survived
+    live = [i for i in ctx.incs if i not in survived]
+    causes = sorted((i for i in live if i.best.rule.role == "cause"), key=_order)
+    symptoms = sorted((i for i in live if i.best.rule.role != "cause"), key=_order)
     first = causes[0] if causes else (symptoms[0] if symptoms else None)
     if first is not None and first.best.rule.category == "nccl_timeout":
         odd = odd_rank(ctx.hits)
@@ -556,10 +581,14 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
     if end is not None and end.kind == "ended_on_progress":
         out.append(_hypo("hang_no_error", "low", "the job may have hung right after the last progress line, if it "
                          "was still running when the log ended", [{"line": end.line}], end.rank))  # fmt: skip
+    for inc in ctx.recovered[:2]:
+        b = inc.best
+        out.append(_hypo(b.rule.category, "low", f"{b.rule.summary or rules.summary_for(b.rule.category)}, but "
+                         "training went on after it (a warning the run survived?)", [hit_dict(b)], b.rank))  # fmt: skip
     seen = {h["category"] for h in out}
     for inc in sorted(ctx.incs, key=_order):
         b = inc.best
-        if inc is first or b.rule.category in seen or b.rule.role == "fact":
+        if inc is first or b.rule.category in seen or b.rule.role == "fact" or inc in ctx.recovered:
             continue
         seen.add(b.rule.category)
         out.append(_hypo(b.rule.category, _LOWER[_confidence(b)], b.rule.summary or rules.summary_for(b.rule.category),

@@ -20,9 +20,9 @@ Memory ... percent``) raises the confidence.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from trainguard.diagnose.progress import DATA_BAR
 from trainguard.diagnose.scan import SourceScan
 
 HIGH_RAM_PERCENT = 90.0  # a memory report at or above this share of host RAM is memory pressure
@@ -50,9 +50,6 @@ def _at(kind: str, why: str, s: SourceScan | None, line: str, tag: str = "") -> 
     return Ending(kind, why, line, str(s.source.path), s.source.rank, s.source.host, rule)
 
 
-# tqdm bars that count data or files, not training steps (dataset maps, shards, downloads)
-_DATA_BAR = re.compile(r"(?i)examples/s|shards|dataset|split|tokeniz|convert|filter|download|generating|"
-                       r"\bmap\b|loading|preprocess|fetching|files/s|ba/s")  # fmt: skip
 
 
 def _stepped(s: SourceScan) -> bool:
@@ -60,7 +57,7 @@ def _stepped(s: SourceScan) -> bool:
     st, line = s.last_step, s.last_step_line
     if st is not None and st.n is None and (st.style == "lightning" or "{'" in line):  # a metrics record
         return True
-    if st is not None and st.n and not (st.style == "tqdm" and _DATA_BAR.search(line)):
+    if st is not None and st.n and not (st.style == "tqdm" and DATA_BAR.search(line)):
         return True
     if any(p.step for p in s.progress.values()) or any(s.steps.values()):
         return True

@@ -18,7 +18,7 @@ from trainguard.diagnose.attribution import Attribution, Who
 from trainguard.diagnose.lines import _NCCL_HOST, LineInfo, parse_line, rank_in_text
 from trainguard.diagnose.nanwatch import NanWatch
 from trainguard.diagnose.prefilter import Prefilter
-from trainguard.diagnose.progress import Step, step_of
+from trainguard.diagnose.progress import DATA_BAR, Step, step_of
 from trainguard.diagnose.rules import TAIL_TAGS, Rule, RuleSet
 from trainguard.diagnose.sources import Source, read_chunks
 from trainguard.diagnose.steplog import StepTimer, parse_step
@@ -80,6 +80,7 @@ class SourceScan:
     marks: dict[str, tuple[int, str, dict[str, str], str]] = field(default_factory=dict)
     last_step_at: int | None = None  # position of the last progress line among the tail's lines
     last_metric_at: int | None = None  # ... of the last line reporting a loss/accuracy value (any format)
+    progress_at: list[tuple[int, int | None]] = field(default_factory=list)  # (file offset, rank) of progress lines in the tail
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
 
 
@@ -152,8 +153,10 @@ class Scanner:
         tail: list[bytes] = []
         tail_len = 0
         order = 0
+        end_offset: int | None = None  # where the last chunk ends in the file (None: not known, .gz)
         for chunk in read_chunks(source.path, max_bytes, out.notes):
             buf, size = chunk.data, chunk.end  # buf is used again for the next chunk: copy what is kept
+            end_offset = None if chunk.offset is None else chunk.offset + size
             if out.bytes == 0:  # the log's own year dates glog/syslog lines (they have none)
                 y = _YEAR.search(buf, 0, min(size, 1 << 16))
                 year = int(y.group(1)) if y else year
@@ -191,7 +194,8 @@ class Scanner:
                         break
         if source.rank is not None:
             out.ranks.add(source.rank)
-        self._scan_tail(b"".join(tail)[-TAIL_BYTES:], out, year)
+        data = b"".join(tail)[-TAIL_BYTES:]
+        self._scan_tail(data, out, year, None if end_offset is None else end_offset - len(data))
         unranked = {(h.host, h.pid) for h in out.hits if h.rank is None and h.pid is not None and h.host}
         if unranked:
             self._nccl_ranks(out, unranked, max_bytes)
@@ -274,14 +278,16 @@ class Scanner:
                 out.marks[tag] = (at, raw[:MAX_LINE], {k: v for k, v in m.groupdict().items() if v is not None}, r.id)
             out.started = out.started or "startup" in r.tags
 
-    def _scan_tail(self, data: bytes, out: SourceScan, year: int) -> None:
+    def _scan_tail(self, data: bytes, out: SourceScan, year: int, base: int | None = None) -> None:
+        """Progress, markers and the NaN watch over the log's last bytes. ``base``: the file offset
+        of ``data`` (None when not known), to place progress lines relative to error lines."""
         src = out.source
         timers: dict[int | None, StepTimer] = {}
         nan = NanWatch()
-        text = data.decode("utf-8", errors="replace")
-        for at, raw in enumerate(re.split(r"[\r\n]+", text)):
-            if not raw or len(raw) > MAX_LINE:
+        for at, m in enumerate(re.finditer(rb"[^\r\n]+", data)):
+            if m.end() - m.start() > MAX_LINE:
                 continue
+            raw = m.group().decode("utf-8", errors="replace")
             info = parse_line(raw, year)
             msg = info.message
             rank = info.rank if info.rank is not None else src.rank
@@ -292,12 +298,16 @@ class Scanner:
             if info.time is not None:
                 out.last_time[rank] = info.time
             self._mark(out, at, raw, msg)
-            if ("oss" in msg or "cc" in msg or "ppl" in msg) and _METRIC.search(msg):
+            metric = ("oss" in msg or "cc" in msg or "ppl" in msg) and _METRIC.search(msg) is not None
+            if metric:
                 out.last_metric_at = at
             st = step_of(msg)
             if st is not None:
                 out.last_step, out.last_step_line, out.last_step_at = st, raw, at
                 out.styles.add(st.style)
+            training = st is not None and st.n and not (st.style == "tqdm" and DATA_BAR.search(raw))
+            if base is not None and (metric or training) and len(out.progress_at) < MAX_STEP_SAMPLES:
+                out.progress_at.append((base + m.start(), rank))
             watched = nan.feed(rank, msg)
             if watched and self._nan_rule is not None and len(out.hits) < MAX_HITS:
                 out.hits.append(Hit(self._nan_rule, rank, info.host or src.host, info.time, str(src.path), None,
