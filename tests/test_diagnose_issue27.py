@@ -291,3 +291,15 @@ def test_an_error_the_run_went_on_training_after_is_not_the_failure(tmp_path):
     # the same error as the last thing logged is the failure
     lines = MEGATRON_DONE.splitlines()[:3] + ["torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"]
     assert diag(tmp_path, "\n".join(lines) + "\n", "b.log")["category"] == "cuda_oom"
+
+
+def test_a_kernel_gpu_line_takes_the_rank_that_failed_the_same_way_right_after(tmp_path):
+    (tmp_path / "node-x7").mkdir()
+    (tmp_path / "node-x7" / "kern.log").write_text(
+        "Feb 14 05:03:43 node-x7 kernel: NVRM: GPU 0000:4c:00.0: GPU has fallen off the bus.\n", encoding="utf-8")
+    (tmp_path / "slurm-77.out").write_text(
+        "[rank5]:[E214 05:03:44.190244513 ProcessGroupNCCL.cpp:1595] [Rank 5] Process group watchdog thread "
+        "terminated with exception: CUDA error: unknown error\n", encoding="utf-8")  # fmt: skip
+    r = diagnose_paths([tmp_path])
+    assert r["category"] == "gpu_hardware"
+    assert (r["first_failure"]["rank"], r["first_failure"]["host"]) == (5, "node-x7")

@@ -382,6 +382,7 @@ class Context:
     slow: dict[str, Any] | None
     incs: list[Incident]
     recovered: list[Incident] = field(default_factory=list)  # errors the process went on training after
+    guessed: dict[str, str | None] = field(default_factory=dict)  # file -> the host its name suggests
 
 
 def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, window: int, threshold: float) -> Context:
@@ -404,7 +405,8 @@ def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, windo
     if gdr:
         findings.append(gdr)
     findings += _alignment_findings(progress)
-    return Context(scans, hits, oom_ev, ranks_seen, findings, gdr, _slowdown(scans, window, threshold), incidents(hits))
+    return Context(scans, hits, oom_ev, ranks_seen, findings, gdr, _slowdown(scans, window, threshold), incidents(hits),
+                   guessed=guessed)  # fmt: skip
 
 
 RECOVERED_STEPS = 3  # progress lines of the same rank after an error that did not end the run
@@ -442,12 +444,25 @@ def first_incident(ctx: Context) -> Incident | None:
     return first
 
 
+def _rank_of_host_failure(first: Incident, ctx: Context) -> int | None:
+    """A failure seen on a host without a rank (a kernel line): the rank that failed the same way
+    within the incident window after it, on that host or one not named, is the rank it hit."""
+    start, host, cat = first.start, first.best.host, first.best.rule.category
+    if start is None:
+        return None
+    near = [i for i in ctx.incs if i.key[0] == "rank" and i.best.rule.category == cat and i.start is not None
+            and 0 <= i.start - start <= INCIDENT_WINDOW_S
+            and (i.best.host in (None, host) or i.best.host == ctx.guessed.get(i.best.file))]  # fmt: skip
+    ranks = {i.key[1] for i in near}
+    return ranks.pop() if len(ranks) == 1 else None
+
+
 def _failure(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet, has_failures: bool) -> None:
     best = first.best
     cat = best.rule.category
     result.update(category=cat, confidence=_confidence(best), family=rules.family_for(best.rule))
     result["first_failure"] = {k: v for k, v in hit_dict(best).items() if k not in ("category", "role")}
-    guess = next((s.source.host for s in ctx.scans if str(s.source.path) == best.file), None)
+    guess = ctx.guessed.get(best.file)
     if best.host is None or best.host == guess:  # another line of the failure may name it (the elastic table)
         result["first_failure"]["host"] = next((h.host for h in first.hits if h.host and h.host != guess), best.host)
     ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
@@ -456,8 +471,10 @@ def _failure(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleS
     result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
     result["fix"] = rules.fix_for(best.rule)
     host = result["first_failure"]["host"]
-    where = f"rank {best.rank}" if best.rank is not None else (host or best.file)
-    if host and best.rank is not None:
+    rank = best.rank if best.rank is not None else _rank_of_host_failure(first, ctx)
+    result["first_failure"]["rank"] = rank
+    where = f"rank {rank}" if rank is not None else (host or best.file)
+    if host and rank is not None:
         where += f" on {host}"
     result["summary"] = f"{best.rule.summary or rules.summary_for(cat)} ({where})"
     seen_keys: set[Any] = set()
