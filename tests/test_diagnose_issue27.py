@@ -303,3 +303,20 @@ def test_a_kernel_gpu_line_takes_the_rank_that_failed_the_same_way_right_after(t
     r = diagnose_paths([tmp_path])
     assert r["category"] == "gpu_hardware"
     assert (r["first_failure"]["rank"], r["first_failure"]["host"]) == (5, "node-x7")
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["2026-01-01 10:00:01 - root - ERROR - could not find the tokenizer at /models/x, abort",
+     "2026-01-01 10:00:01.123 | ERROR    | __main__:main:42 - the dataset is empty after filtering"],
+)
+def test_logging_format_errors_before_the_launchers_exit_report(tmp_path, line):
+    r = diag(tmp_path, f"[rank0]: {line}\n[2026-01-01 10:00:02,000] torch.distributed.elastic.multiprocessing.api: "
+                       "[ERROR] failed (exitcode: 1) local_rank: 0 (pid: 77) of binary: /usr/bin/python\n")  # fmt: skip
+    assert r["category"] == "python_exception" and r["first_failure"]["rank"] == 0
+
+
+def test_a_slurm_time_limit_is_a_stop_from_outside(tmp_path):
+    r = diag(tmp_path, MEGATRON_DONE.replace("/       9 |", "/     500 |") +
+             "\nslurmstepd: error: *** JOB 1234 ON node-1 CANCELLED AT 2026-01-12T11:00:00 DUE TO TIME LIMIT ***\n")  # fmt: skip
+    assert r["category"] == "killed_external" and "time limit" in r["summary"]
