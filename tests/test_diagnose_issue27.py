@@ -320,3 +320,11 @@ def test_a_slurm_time_limit_is_a_stop_from_outside(tmp_path):
     r = diag(tmp_path, MEGATRON_DONE.replace("/       9 |", "/     500 |") +
              "\nslurmstepd: error: *** JOB 1234 ON node-1 CANCELLED AT 2026-01-12T11:00:00 DUE TO TIME LIMIT ***\n")  # fmt: skip
     assert r["category"] == "killed_external" and "time limit" in r["summary"]
+
+
+def test_the_rank_whose_last_enqueued_collective_is_behind_the_others_is_the_first_failure(tmp_path):
+    tmpl = ("[rank{r}]:[E1206 18:44:1{r}.715298 ProcessGroupNCCL.cpp:1834] [PG ID 0 PG GUID 0(default_pg) Rank {r}] "
+            "Timeout at NCCL work: {n}, last enqueued NCCL work: {n}, last completed NCCL work: {c}.")  # fmt: skip
+    text = "\n".join(tmpl.format(r=r, n=100 if r == 2 else 101, c=99 if r == 2 else 100) for r in range(4))
+    r = diag(tmp_path, text + "\n")
+    assert r["category"] == "nccl_timeout" and r["first_failure"]["rank"] == 2, r["summary"]

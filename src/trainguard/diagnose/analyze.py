@@ -366,7 +366,25 @@ def odd_rank(hits: list[Hit]) -> int | None:
         counts = Counter(by_rank.values()).most_common()
         if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:
             return next(r for r, op in by_rank.items() if op == counts[1][0])
-    return None
+    return _behind(hits)
+
+
+_ENQUEUED = re.compile(r"last enqueued (?:NCCL )?work: (-?\d+)")
+
+
+def _behind(hits: list[Hit]) -> int | None:
+    """The one rank whose last enqueued collective is behind every other rank's: it never reached
+    the collective the others wait in."""
+    last: dict[int, int] = {}
+    for h in hits:
+        m = _ENQUEUED.search(h.message) if h.rank is not None and "enqueued" in h.message else None
+        if m:
+            last[h.rank] = max(last.get(h.rank, -1), int(m[1]))  # type: ignore[index]
+    if len(last) < 3:
+        return None
+    low = min(last.values())
+    behind = [r for r, n in last.items() if n == low]
+    return behind[0] if len(behind) == 1 else None
 
 
 @dataclass
