@@ -109,6 +109,7 @@ def test_live_the_counters_decide_a_sigkill_while_loading(tmp_path):
         "Nov 21 09:30:01 node-a kernel: pcieport 0000:3a:00.0: AER: Uncorrected (Fatal) error received: 0000:3b:00.0",
         "Nov 21 09:30:01 node-a kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
         "[Fri Nov 20 10:30:41 2026] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
+        "2026-11-20 10:30:41 dcgm health: Detected XID error 79 on GPU 3",
     ],
 )
 def test_hardware_lines_outside_python_are_gpu_hardware(tmp_path, line):
