@@ -208,6 +208,9 @@ def test_live_a_dataloader_worker_killed_by_a_signal_restarts(tmp_path):
     (log / "rank0.log").write_text(
         "2026-11-21T09:30:01.000000 [rank0]: Traceback (most recent call last):\n"
         f"2026-11-21T09:30:01.000000 [rank0]: {KILLED_WORKER}\n", encoding="utf-8")  # fmt: skip
+    offline = diagnose_paths([log])
+    assert offline["category"] == "dataloader"
+    assert [h["category"] for h in offline["hypotheses"]][:2] == ["dataloader", "host_oom"]
     r = diagnose_paths([log], failures={0: {"exitcode": 1, "error_file_data": err}})
     d = P.decide_on_failure({0: failure}, 2, Diagnosis.from_dict(r))
     assert d.action == Action.RESTART, d.reason

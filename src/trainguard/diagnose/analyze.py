@@ -610,6 +610,9 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
     if oom_guess:
         out.append(_hypo("killed_external", "low", "killed by SIGKILL from outside the job (a scheduler, a person, a "
                          "watchdog): nothing in these logs names the sender", [ff], ff.get("rank")))  # fmt: skip
+    elif ff.get("rule") == "dataloader.worker_killed":
+        out.append(_hypo("host_oom", "low", "the kernel's OOM killer is the usual sender of that signal (confirm with "
+                         "dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
     elif result["category"] == "killed_external":
         out.append(_hypo("host_oom", "low", "host RAM OOM is possible: these logs have no kernel line to tell "
                          "(confirm or rule out with dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
