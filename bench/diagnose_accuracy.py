@@ -287,6 +287,7 @@ def render(rep: Report, misses: bool = False, held: HeldOut | None = None, froze
         out += _lofo_lines(held)
     if frozen is not None:
         out.append(summary_line("FROZEN split", frozen))
+        out.append("  calibration: " + ", ".join(f"{lv} {ok}/{n}" for lv, (ok, n) in calibration(frozen).items()))
     projects = Counter(o.case.label.get("project", "?") for o in rep.outcomes)
     families = Counter(o.case.family for o in rep.outcomes)
     out += ["", f"sources: {len(rep.outcomes)} cases from {len(projects)} projects, {len(families)} families: "
