@@ -332,3 +332,11 @@ def test_the_rank_whose_last_enqueued_collective_is_behind_the_others_is_the_fir
     text = "\n".join(tmpl.format(r=r, n=100 if r == 2 else 101, c=99 if r == 2 else 100) for r in range(4))
     r = diag(tmp_path, text + "\n")
     assert r["category"] == "nccl_timeout" and r["first_failure"]["rank"] == 2, r["summary"]
+
+
+def test_live_sigkill_without_the_kernel_counters_is_low_and_says_so(tmp_path):
+    r = diag(tmp_path, "[2026-03-01 09:02:12,000] torch.distributed.elastic.multiprocessing.api: [ERROR] failed "
+                       "(exitcode: -9) local_rank: 1 (pid: 4415) of binary: /usr/bin/python\n",
+             failures={1: {"exitcode": -9, "signal": "SIGKILL"}})  # fmt: skip
+    assert r["category"] == "killed_external" and r["confidence"] == "low"
+    assert r["hypotheses"][0]["confidence"] == "low" and r["low_confidence"].startswith("low confidence:")

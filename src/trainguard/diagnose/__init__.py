@@ -72,7 +72,7 @@ def diagnose_paths(
     ``max_bytes_per_file`` bounds the read to the head and the last bytes of each file. Raises
     RuleError / SourceError for bad rules files or paths. ``ruleset``: use these rules instead of the
     built-in ones (bench/diagnose_accuracy.py scores families without the rules fitted to them)."""
-    from trainguard.diagnose.analyze import analyze
+    from trainguard.diagnose.analyze import analyze, say_confidence
     from trainguard.diagnose.failures import failure_hits, oom_hits, read_error_files
     from trainguard.diagnose.sources import describe, error_files, expand
 
@@ -102,7 +102,7 @@ def diagnose_paths(
         result["confidence"] = "medium"
     elif result["category"] == "killed_external" and live:  # the agent could not read the kernel's counters
         result["confidence"] = "low"
-    result["hypotheses"][0]["confidence"] = result["confidence"]
+    say_confidence(result)
     if oom:
         result["oom_check"] = oom
     notes += [n for s in scans for n in s.notes]

@@ -636,6 +636,18 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
     return out
 
 
+def say_confidence(result: dict[str, Any]) -> None:
+    """Keep the first hypothesis at the verdict's confidence, and a low-confidence verdict saying so
+    in one line."""
+    result["hypotheses"][0]["confidence"] = result["confidence"]
+    result.pop("low_confidence", None)
+    if result["confidence"] == "low":
+        alt = next((h["category"] for h in result["hypotheses"][1:]), None)
+        basis = (result.get("first_failure") or {}).get("rule") or "no rule"
+        result["low_confidence"] = (f"low confidence: only weak evidence ({basis}); a lead, not a verdict"
+                                    + (f"; also possible: {alt}" if alt else ""))  # fmt: skip
+
+
 def analyze(
     scans: list[SourceScan],
     extra_hits: list[Hit],
@@ -660,10 +672,6 @@ def analyze(
     else:
         end = _no_failure(result, ctx, rules, live or has_failures)
     result["hypotheses"] = hypotheses(result, first, ctx, rules, end, oom_guess)
-    if result["confidence"] == "low":
-        alt = next((h["category"] for h in result["hypotheses"][1:]), None)
-        basis = (result.get("first_failure") or {}).get("rule") or "no rule"
-        result["low_confidence"] = (f"low confidence: only weak evidence ({basis}); a lead, not a verdict"
-                                    + (f"; also possible: {alt}" if alt else ""))  # fmt: skip
+    say_confidence(result)
     result["ranks"] = sorted(ctx.ranks_seen)
     return result, (first.best if first is not None else None)
