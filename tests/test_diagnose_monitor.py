@@ -136,3 +136,42 @@ def test_monitor_calls_a_sigkill_host_oom_only_when_the_oom_counter_moved(tmp_pa
         assert any("oom_kill event" in e["line"] for e in d.evidence)
     finally:
         store.close()
+
+
+def test_live_a_killed_dataloader_worker_is_diagnosed_then_restarted_by_the_policy(tmp_path: Path):
+    """Issue 27: a signal killed the DataLoader worker (often the OOM killer): retry, not stop."""
+    from trainguard import policy
+
+    attempt = tmp_path / "logs" / "attempt-0"
+    attempt.mkdir(parents=True)
+    text = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed. "
+    (attempt / "rank0.log").write_text(
+        "2026-11-21T09:30:00.000000 [rank0]: {'loss': 1.2, 'learning_rate': 1e-05, 'epoch': 0.1}\n"
+        "2026-11-21T09:30:01.000000 [rank0]: Traceback (most recent call last):\n"
+        f"2026-11-21T09:30:01.000000 [rank0]: {text}\n", encoding="utf-8")  # fmt: skip
+    err = {"message": {"message": text, "extraInfo": {"py_callstack": "", "timestamp": "1795250000"}}}
+    failures = {0: RankFailure(local_rank=0, pid=100, exitcode=1, error_file_data=err)}
+    ctx, store = _ctx(tmp_path, restart_count=0)
+    try:
+        d = diagnosis_monitor.create(_options()).on_workers_failed(ctx, failures)
+        assert d.category == "dataloader" and d.details["family"] == "signal"
+        decision = policy.decide_on_failure(failures, 2, d)
+        assert decision.action == policy.Action.RESTART, decision.reason
+    finally:
+        store.close()
+
+
+def test_a_low_confidence_diagnosis_says_so_in_its_event(tmp_path: Path):
+    attempt = tmp_path / "logs" / "attempt-0"
+    attempt.mkdir(parents=True)
+    (attempt / "launcher.log").write_text(
+        "[2026-01-01 10:00:02,000] torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: 1) "
+        "local_rank: 0 (pid: 100) of binary: /usr/bin/python\n", encoding="utf-8")  # fmt: skip
+    ctx, store = _ctx(tmp_path, restart_count=0)
+    try:
+        d = diagnosis_monitor.create(_options()).on_workers_failed(ctx, {0: RankFailure(0, 100, 1)})
+        assert d.confidence == "low"
+        (ev,) = store.query(kinds=["diagnosis"])
+        assert "(low confidence)" in ev.message
+    finally:
+        store.close()

@@ -69,11 +69,16 @@ def test_llamafactory_trainer_log_steps_count_as_progress():
     assert not step_of('{"current_steps": 3120, "total_steps": 3120, "loss": 1.2}').unfinished
 
 
-def test_trainer_log_that_stops_short_is_a_hang_and_a_finished_one_is_healthy(tmp_path: Path):
+def test_trainer_log_that_stops_short_is_a_hang_live_only_and_a_finished_one_is_healthy(tmp_path: Path):
     short = tmp_path / "short" / "trainer_log.jsonl"
     short.parent.mkdir()
     short.write_text("\n".join(_jsonl([1.5 - i / 100 for i in range(40)], total=3000)) + "\n")
+    # offline a log that ends on normal progress is no failure (issue 27); a hang is only offered
     res = diagnose_paths([str(short)])
+    assert res["category"] == "healthy", res["summary"]
+    assert any(h["category"] == "hang_no_error" for h in res["hypotheses"])
+    # live, the agent knows the job stopped: short of its total, with no error, it hung or was stopped
+    res = diagnose_paths([str(short)], failures={0: {"exitcode": -15, "signal": "SIGTERM"}})
     assert res["category"] == "hang_no_error", res["summary"]
     done = tmp_path / "done" / "trainer_log.jsonl"
     done.parent.mkdir()

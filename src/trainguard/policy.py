@@ -174,8 +174,11 @@ def classify_rank_failure(rank: int | None, f: RankFailure) -> FailureCause:
         return FailureCause(HARDWARE, rank, f"GPU/driver error in the output ({hardware[:200]})")
     if head:
         # Only the message itself: a user's traceback may quote code lines that mention "nccl".
-        if _text_family(head) == COMMUNICATION:
+        family = _text_family(head)
+        if family == COMMUNICATION:
             return FailureCause(COMMUNICATION, rank, head[:300])
+        if family == SIGNAL:  # a signal ended a process it ran (a DataLoader worker killed): not a code bug
+            return FailureCause(SIGNAL, rank, head[:300])
         return FailureCause(USER, rank, head[:300])
     if sig:
         return FailureCause(SIGNAL, rank, f"killed by {sig}")
@@ -197,8 +200,9 @@ _PRECEDENCE = [HARDWARE, USER, SIGNAL, COMMUNICATION, EXIT]
 def classify_failures(failures: dict[int, RankFailure], diagnosis: Diagnosis | None = None) -> FailureCause:
     """The root cause of a group failure: the diagnosis when it names a known category, else the
     most telling of the per-rank causes."""
-    if diagnosis is not None:
-        kind = cause_of_category(diagnosis.category)
+    if diagnosis is not None and diagnosis.confidence != "low":  # a low-confidence verdict is a lead, not a cause
+        family = diagnosis.details.get("family")  # the deciding rule's own family, else the category's
+        kind = family if family in _PRECEDENCE + [ENVIRONMENT] else cause_of_category(diagnosis.category)
         if kind is not None:
             return FailureCause(kind, diagnosis.rank, (diagnosis.summary or diagnosis.category)[:300])
     causes = [classify_rank_failure(rank, f) for rank, f in sorted(failures.items())]
@@ -266,6 +270,8 @@ def decide_on_failure(
     else:
         action = Action.RESTART
         reason = f"workers failed ({where}: {cause.detail}); restarting, {remaining_restarts} restart(s) left"
+    if diagnosis is not None and diagnosis.confidence == "low" and cause_of_category(diagnosis.category):
+        reason += f" (the log diagnosis, {diagnosis.category}, has low confidence: not acted on)"
     return Decision(action, reason, source=source, rank=cause.rank, evidence=evidence, exit_message=exit_message)
 
 

@@ -32,6 +32,15 @@ def _scanner(extra_rules: list[Path] | None, engine: str = "auto"):
     return _cache[key]
 
 
+def _own_scanner(rules: RuleSet, engine: str):
+    from trainguard.diagnose.scan import Scanner
+
+    key = ("own", engine, id(rules))
+    if key not in _cache or _cache[key][0] is not rules:
+        _cache[key] = (rules, Scanner(rules, engine))
+    return _cache[key]
+
+
 def _agent_order_first(failure_info: dict[int, dict[str, Any]]) -> None:
     """The agent saw which rank exited first (``first_failure``); every other rank failed after it,
     whatever its error file's clock says (ranks that lost that peer write theirs within ms)."""
@@ -55,17 +64,19 @@ def diagnose_paths(
     window: int = DEFAULT_WINDOW,
     threshold: float = DEFAULT_THRESHOLD,
     engine: str = "auto",
+    ruleset: RuleSet | None = None,
 ) -> dict[str, Any]:
     """Diagnose log files/dirs/globs. ``failures`` is the agent's failure info (rank -> exitcode,
     signal, error_file_data, ...). ``oom`` is the kernel's OOM-killer evidence for the attempt
     (``trainguard.probes.oom.OomEvidence.to_dict()``): a SIGKILL is host OOM only when it moved.
     ``max_bytes_per_file`` bounds the read to the head and the last bytes of each file. Raises
-    RuleError / SourceError for bad rules files or paths."""
-    from trainguard.diagnose.analyze import analyze
+    RuleError / SourceError for bad rules files or paths. ``ruleset``: use these rules instead of the
+    built-in ones (bench/diagnose_accuracy.py scores families without the rules fitted to them)."""
+    from trainguard.diagnose.analyze import analyze, say_confidence
     from trainguard.diagnose.failures import failure_hits, oom_hits, read_error_files
     from trainguard.diagnose.sources import describe, error_files, expand
 
-    rules, scanner = _scanner(extra_rules, engine)
+    rules, scanner = _scanner(extra_rules, engine) if ruleset is None else _own_scanner(ruleset, engine)
     notes: list[str] = []
     files = expand(paths, notes)
     scans = [scanner.scan(describe(f), max_bytes_per_file) for f in files if not f.name.endswith(".json")]
@@ -74,8 +85,9 @@ def diagnose_paths(
         failure_info[int(rank)] = {**failure_info.get(int(rank), {}), **info}
     _agent_order_first(failure_info)
     extra = failure_hits(failure_info, rules) + oom_hits(oom, rules)
+    live = failures is not None or oom is not None  # the agent asks: it knows the job stopped
     result, first = analyze(
-        scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold
+        scans, extra, rules, has_failures=bool(failure_info), window=window, threshold=threshold, live=live
     )
     ff = result.get("first_failure")
     off = first.offset if first is not None else None
@@ -88,6 +100,9 @@ def diagnose_paths(
             "(no OOM-killer event)", "(no OOM-killer event: the kernel's oom_kill counters did not move)"
         )
         result["confidence"] = "medium"
+    elif result["category"] == "killed_external" and live:  # the agent could not read the kernel's counters
+        result["confidence"] = "low"
+    say_confidence(result)
     if oom:
         result["oom_check"] = oom
     if result["category"] == "healthy" and not any(s.bytes for s in scans):

@@ -20,11 +20,14 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, detect
+from trainguard.diagnose.ending import Ending, log_ending, oom_likely
 from trainguard.diagnose.lines import iso
 from trainguard.diagnose.progress import stopped
 from trainguard.diagnose.rules import RuleSet
@@ -123,22 +126,37 @@ def _order(inc: Incident) -> tuple:
     return (ft is None, ft or 0.0, not inc.root, start is None, start or 0.0, -inc.best.rule.priority, rank)
 
 
-def attribute(hits: list[Hit]) -> None:
+def attribute(hits: list[Hit], guessed: dict[str, str | None] | None = None) -> None:
     """Give rankless lines the rank the launcher reports as the first failure in their file, and
-    every line about one process the rank of that process (the elastic table knows global ranks)."""
+    every line about one process the rank of that process (the elastic table knows global ranks).
+    ``guessed``: file -> the host its name suggests; a host the launcher reports beats that guess."""
+    guessed = guessed or {}
+
+    def take(h: Hit, root: Hit) -> None:
+        h.rank = root.rank
+        if h.host is None or (h.host == guessed.get(h.file) and root.host):
+            h.host = root.host or h.host
+
     pid_rank = {h.pid: (h.rank, h.host) for h in hits if h.table and h.pid is not None and h.rank is not None}
     for h in hits:
         if h.pid is not None and h.pid in pid_rank and not h.synthetic:
             h.rank, h.host = pid_rank[h.pid][0], h.host or pid_rank[h.pid][1]
-    roots: dict[str, set[tuple[int, str | None]]] = {}
+    roots: dict[str, list[Hit]] = {}
     for h in hits:
         if h.root and h.rank is not None:
-            roots.setdefault(h.file, set()).add((h.rank, h.host))
+            roots.setdefault(h.file, []).append(h)
     for h in hits:
         found = roots.get(h.file)
-        if h.rank is None and found and len({r for r, _ in found}) == 1:
-            rank, host = next(iter(found))
-            h.rank, h.host = rank, h.host or host
+        if h.rank is not None or not found:
+            continue
+        if len({r.rank for r in found}) == 1:
+            take(h, found[0])
+            continue
+        # several launchers' reports in one file (one per node): the report that follows a line
+        # ends the failure it belongs to
+        after = min((r for r in found if r.order > h.order), key=lambda r: r.order, default=None)
+        if after is not None and not h.synthetic:
+            take(h, after)
 
 
 def oom_evidence(hits: list[Hit], rules: RuleSet) -> tuple[list[Hit], dict[int, list[Hit]]]:
@@ -295,7 +313,8 @@ def _slowdown(scans: list[SourceScan], window: int, threshold: float) -> dict[st
 
 
 def _stopped(scans: list[SourceScan]) -> tuple[str, SourceScan | None] | None:
-    """A log that ends before its work was done (progress.py), with the file that shows it."""
+    """Live (the job stopped): a log that ends before its work was done (progress.py), with the
+    file that shows it."""
     if not scans or any(s.completed for s in scans):
         return None
     styles = set().union(*(s.styles for s in scans))
@@ -309,17 +328,86 @@ def _stopped(scans: list[SourceScan]) -> tuple[str, SourceScan | None] | None:
     return (why, next((s for s in scans if s.started), None)) if why else None
 
 
-def analyze(
-    scans: list[SourceScan],
-    extra_hits: list[Hit],
-    rules: RuleSet,
-    has_failures: bool = False,
-    window: int = DEFAULT_WINDOW,
-    threshold: float = DEFAULT_THRESHOLD,
-) -> tuple[dict[str, Any], Hit | None]:
-    """The verdict (a JSON-able dict) and the hit it names as the first failure (None if none)."""
+NEEDS_EXIT_LINES = 30  # an error message counts when the launcher's exit report follows within this
+
+
+def gate_needs_exit(hits: list[Hit]) -> list[Hit]:
+    """Hits of rules tagged ``needs_exit`` (an error message without an exception type) count only
+    when a launcher's non-zero exit report for the same rank follows them closely in the same file;
+    they take that report's rank."""
+    exits = [h for h in hits if "exit" in h.rule.tags and h.rule.category == "exit_nonzero"]
+    out = []
+    for h in hits:
+        if "needs_exit" not in h.rule.tags:
+            out.append(h)
+            continue
+        e = next((e for e in exits if e.file == h.file and 0 < e.order - h.order <= NEEDS_EXIT_LINES
+                  and (e.line_no is None or h.line_no is None or 0 < e.line_no - h.line_no <= NEEDS_EXIT_LINES)
+                  and (h.rank is None or e.rank is None or e.rank == h.rank)), None)  # fmt: skip
+        if e is not None:
+            h.rank, h.host = (h.rank if h.rank is not None else e.rank), h.host or e.host
+            out.append(h)
+    return out
+
+
+_WORK = re.compile(r"SeqNum=(\d+), OpType=(\w+)(?:, NumelIn=(\d+))?")
+
+
+def odd_rank(hits: list[Hit]) -> int | None:
+    """NCCL watchdog timeouts at one sequence number: the one rank whose op (type, and element
+    count) differs from all the others' is the odd one out (it called another collective, or the
+    same one on another tensor), not the lowest rank."""
+    ops: dict[int, dict[int, tuple[str, str | None]]] = {}
+    for h in hits:
+        m = _WORK.search(h.message) if h.rule.category == "nccl_timeout" and h.rank is not None else None
+        if m:
+            ops.setdefault(int(m[1]), {})[h.rank] = (m[2], m[3])  # type: ignore[index]
+    for by_rank in ops.values():
+        counts = Counter(by_rank.values()).most_common()
+        if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:
+            return next(r for r, op in by_rank.items() if op == counts[1][0])
+    return _behind(hits)
+
+
+_ENQUEUED = re.compile(r"last enqueued (?:NCCL )?work: (-?\d+)")
+
+
+def _behind(hits: list[Hit]) -> int | None:
+    """The one rank whose last enqueued collective is behind every other rank's: it never reached
+    the collective the others wait in."""
+    last: dict[int, int] = {}
+    for h in hits:
+        m = _ENQUEUED.search(h.message) if h.rank is not None and "enqueued" in h.message else None
+        if m:
+            last[h.rank] = max(last.get(h.rank, -1), int(m[1]))  # type: ignore[index]
+    if len(last) < 3:
+        return None
+    low = min(last.values())
+    behind = [r for r, n in last.items() if n == low]
+    return behind[0] if len(behind) == 1 else None
+
+
+@dataclass
+class Context:
+    """What every file and hit of one diagnosis show, gathered once."""
+
+    scans: list[SourceScan]
+    hits: list[Hit]
+    oom_ev: dict[int, list[Hit]]
+    ranks_seen: set[int]
+    findings: list[dict[str, Any]]
+    gdr: dict[str, Any] | None
+    slow: dict[str, Any] | None
+    incs: list[Incident]
+    recovered: list[Incident] = field(default_factory=list)  # errors the process went on training after
+    guessed: dict[str, str | None] = field(default_factory=dict)  # file -> the host its name suggests
+
+
+def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, window: int, threshold: float) -> Context:
     hits = [h for s in scans for h in s.hits] + list(extra_hits)
-    attribute(hits)
+    guessed = {str(s.source.path): s.source.host for s in scans}
+    attribute(hits, guessed)
+    hits = gate_needs_exit(hits)
     hits, oom_ev = oom_evidence(hits, rules)
     facts = [h for s in scans for h in s.facts]
     ranks_seen: set[int] = set().union(*(s.ranks for s in scans)) if scans else set()
@@ -330,92 +418,260 @@ def analyze(
             old = progress.get(r)
             if old is None or (p.time or 0) >= (old.time or 0):
                 progress[r] = p
-
     findings: list[dict[str, Any]] = []
     gdr = _gdr_finding(facts)
     if gdr:
         findings.append(gdr)
     findings += _alignment_findings(progress)
-    slow = _slowdown(scans, window, threshold)
+    return Context(scans, hits, oom_ev, ranks_seen, findings, gdr, _slowdown(scans, window, threshold), incidents(hits),
+                   guessed=guessed)  # fmt: skip
 
-    incs = incidents(hits)
-    causes = sorted((i for i in incs if i.best.rule.role == "cause"), key=_order)
-    symptoms = sorted((i for i in incs if i.best.rule.role != "cause"), key=_order)
+
+RECOVERED_STEPS = 3  # progress lines of the same rank after an error that did not end the run
+_GO_ON = ("nan_loss", "hang_no_error", "slowdown")  # failures that do not stop the progress lines
+
+
+def recovered(inc: Incident, ctx: Context) -> bool:
+    """The process went on training after this error (the same rank logged several progress lines
+    after it, and no launcher reported an exit after it): a warning it survived, not the failure
+    (HF's batch-size finder catching an OOM, a retried connection, a NCCL fallback)."""
+    offs = [h.offset for h in inc.hits if h.offset is not None and not h.synthetic]
+    if inc.best.rule.category in _GO_ON or not offs or any(h.synthetic for h in inc.hits):
+        return False
+    last, file = max(offs), inc.best.file
+    rank = inc.key[1] if inc.key[0] == "rank" else None
+    scan = next((s for s in ctx.scans if str(s.source.path) == file), None)
+    if scan is None:
+        return False
+    after = [o for o, r in scan.progress_at if o > last and (rank is None or r is None or r == rank)]
+    exits = [h for h in ctx.hits if h.file == file and "exit" in h.rule.tags and (h.offset or 0) > last]
+    return len(after) >= RECOVERED_STEPS and not exits
+
+
+def first_incident(ctx: Context) -> Incident | None:
+    survived = [i for i in ctx.incs if recovered(i, ctx)]
+    ctx.recovered = survived
+    live = [i for i in ctx.incs if i not in survived]
+    causes = sorted((i for i in live if i.best.rule.role == "cause"), key=_order)
+    symptoms = sorted((i for i in live if i.best.rule.role != "cause"), key=_order)
     first = causes[0] if causes else (symptoms[0] if symptoms else None)
+    if first is not None and first.best.rule.category == "nccl_timeout":
+        odd = odd_rank(ctx.hits)
+        alt = next((i for i in causes + symptoms if i.key == ("rank", odd) and i.best.rule.category == "nccl_timeout"), None)
+        first = alt or first
+    return first
 
-    result: dict[str, Any] = {"category": "healthy", "summary": "", "confidence": "medium", "first_failure": None,
-                              "evidence": [], "fix": "", "findings": findings, "cascade": [], "slowdown": slow}  # fmt: skip
-    if first is not None:
-        best = first.best
-        cat = best.rule.category
-        result["category"] = cat
-        result["confidence"] = _confidence(best)
-        result["first_failure"] = {k: v for k, v in hit_dict(best).items() if k not in ("category", "role")}
-        if best.host is None:  # another line of the same failure may name the host (the elastic table)
-            result["first_failure"]["host"] = next((h.host for h in first.hits if h.host), None)
-        ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
-        ev = (
-            [best]
-            + sorted(
-                {id(x): x for h in first.hits for x in oom_ev.get(id(h), [])}.values(), key=lambda h: h.order
-            )
-            + [h for h in ev if h is not best]
-        )
-        result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
-        result["fix"] = rules.fix_for(best.rule)
-        host = result["first_failure"]["host"]
-        where = f"rank {best.rank}" if best.rank is not None else (host or best.file)
-        if host and best.rank is not None:
-            where += f" on {host}"
-        result["summary"] = f"{best.rule.summary or rules.summary_for(cat)} ({where})"
-        others = [i for i in sorted(incs, key=_order) if i is not first and i.key != first.key]
-        seen_keys: set[Any] = set()
-        for inc in others:
-            if inc.key in seen_keys:
-                continue
-            seen_keys.add(inc.key)
-            result["cascade"].append(hit_dict(inc.best))
-            if len(result["cascade"]) >= MAX_CASCADE:
-                break
-        if cat == "nccl_timeout":
-            sus = _suspects(hits, ranks_seen)
-            if sus:
-                findings.append(sus)
-        ne = _no_exit(first, scans, hits, has_failures)
-        if ne:
-            findings.append(ne)
+
+def _rank_of_host_failure(first: Incident, ctx: Context) -> int | None:
+    """A failure seen on a host without a rank (a kernel line): the rank that failed the same way
+    within the incident window after it, on that host or one not named, is the rank it hit."""
+    start, host, cat = first.start, first.best.host, first.best.rule.category
+    if start is None:
+        return None
+    near = [i for i in ctx.incs if i.key[0] == "rank" and i.best.rule.category == cat and i.start is not None
+            and 0 <= i.start - start <= INCIDENT_WINDOW_S
+            and (i.best.host in (None, host) or i.best.host == ctx.guessed.get(i.best.file))]  # fmt: skip
+    ranks = {i.key[1] for i in near}
+    return ranks.pop() if len(ranks) == 1 else None
+
+
+def _failure(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet, has_failures: bool) -> None:
+    best = first.best
+    cat = best.rule.category
+    result.update(category=cat, confidence=_confidence(best), family=rules.family_for(best.rule))
+    result["first_failure"] = {k: v for k, v in hit_dict(best).items() if k not in ("category", "role")}
+    guess = ctx.guessed.get(best.file)
+    if best.host is None or best.host == guess:  # another line of the failure may name it (the elastic table)
+        result["first_failure"]["host"] = next((h.host for h in first.hits if h.host and h.host != guess), best.host)
+    ev = sorted(first.hits, key=lambda h: (h.synthetic, h.time or 0.0, h.order))
+    oom = sorted({id(x): x for h in first.hits for x in ctx.oom_ev.get(id(h), [])}.values(), key=lambda h: h.order)
+    ev = [best] + oom + [h for h in ev if h is not best]
+    result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
+    result["fix"] = rules.fix_for(best.rule)
+    host = result["first_failure"]["host"]
+    rank = best.rank if best.rank is not None else _rank_of_host_failure(first, ctx)
+    result["first_failure"]["rank"] = rank
+    where = f"rank {rank}" if rank is not None else (host or best.file)
+    if host and rank is not None:
+        where += f" on {host}"
+    result["summary"] = f"{best.rule.summary or rules.summary_for(cat)} ({where})"
+    seen_keys: set[Any] = set()
+    for inc in sorted(ctx.incs, key=_order):
+        if inc is first or inc.key == first.key or inc.key in seen_keys:
+            continue
+        seen_keys.add(inc.key)
+        result["cascade"].append(hit_dict(inc.best))
+        if len(result["cascade"]) >= MAX_CASCADE:
+            break
+    if cat == "nccl_timeout":
+        sus = _suspects(ctx.hits, ctx.ranks_seen)
+        if sus:
+            ctx.findings.append(sus)
+    ne = _no_exit(first, ctx.scans, ctx.hits, has_failures)
+    if ne:
+        ctx.findings.append(ne)
+
+
+def _hang_at(result: dict[str, Any], rules: RuleSet, confidence: str, summary: str, fix: str = "") -> None:
+    result.update(category="hang_no_error", confidence=confidence, summary=summary, family=rules.family_for("hang_no_error"),
+                  fix=fix or rules.fix_for("hang_no_error"))  # fmt: skip
+
+
+def _ff(rank: int | None, host: str | None, line: str, file: str | None, rule: str, time: Any = None) -> dict[str, Any]:
+    return {"rank": rank, "host": host, "time": time, "line": line, "file": file, "line_no": None, "rule": rule}
+
+
+def _no_failure(result: dict[str, Any], ctx: Context, rules: RuleSet, live: bool) -> Ending | None:
+    """No error in the logs: a lag between ranks, a GDR mismatch, a slowdown, or how the logs end
+    (live: the job stopped, so a log short of its work is a hang; offline: ending.py)."""
+    lag = next((f for f in ctx.findings if f["id"] in ("data_misaligned", "ranks_at_different_steps")), None)
+    if lag is not None:
+        _hang_at(result, rules, "medium", f"{rules.summary_for('hang_no_error')}; {lag['message']}",
+                 lag["fix"] + " " + rules.fix_for("hang_no_error"))  # fmt: skip
+        e0 = lag["evidence"][0]
+        result["first_failure"] = _ff(lag["ranks_behind"][0], None, e0["line"], None, lag["id"], e0["time"])
+        result["evidence"] = lag["evidence"]
+    elif ctx.gdr is not None:
+        _hang_at(result, rules, "low", f"no error logged, but {ctx.gdr['message']}: a known cause of hangs at start",
+                 ctx.gdr["fix"])  # fmt: skip
+        result["evidence"] = ctx.gdr["evidence"]
+    elif ctx.slow is not None:
+        w = ctx.slow["warnings"][0]
+        result.update(category="slowdown", confidence="high", fix=rules.fix_for("slowdown"),
+                      summary=f"{rules.summary_for('slowdown')}: {w['message']}")  # fmt: skip
+        result["evidence"] = [{"rank": ctx.slow["rank"], "line": x["message"]} for x in ctx.slow["warnings"]]
+    elif live:
+        _live_stopped(result, ctx, rules)
     else:
-        lag = next((f for f in findings if f["id"] in ("data_misaligned", "ranks_at_different_steps")), None)
-        if lag is not None:
-            result.update(category="hang_no_error", confidence="medium", fix=lag["fix"] + " " + rules.fix_for("hang_no_error"),
-                          summary=f"{rules.summary_for('hang_no_error')}; {lag['message']}")  # fmt: skip
-            result["first_failure"] = {"rank": lag["ranks_behind"][0], "host": None, "time": lag["evidence"][0]["time"],
-                                       "line": lag["evidence"][0]["line"], "file": None, "line_no": None, "rule": lag["id"]}  # fmt: skip
-            result["evidence"] = lag["evidence"]
-        elif gdr is not None:
-            result.update(category="hang_no_error", confidence="low", fix=gdr["fix"],
-                          summary=f"no error logged, but {gdr['message']}: a known cause of hangs at start")  # fmt: skip
-            result["evidence"] = gdr["evidence"]
-        elif slow is not None:
-            w = slow["warnings"][0]
-            result.update(category="slowdown", confidence="high", fix=rules.fix_for("slowdown"),
-                          summary=f"{rules.summary_for('slowdown')}: {w['message']}")  # fmt: skip
-            result["evidence"] = [{"rank": slow["rank"], "line": x["message"]} for x in slow["warnings"]]
-        elif (halt := _stopped(scans)) is not None:
-            why, scan = halt
-            result.update(category="hang_no_error", confidence="low", fix=rules.fix_for("hang_no_error"),
-                          summary=f"{why} with no error and no completion line: the job hung or was "
-                                  "stopped from outside")  # fmt: skip
-            line = scan.last_step_line if scan is not None else ""
-            result["first_failure"] = {"rank": scan.source.rank if scan else None, "host": scan.source.host if scan else None,
-                                       "time": None, "line": line, "file": str(scan.source.path) if scan else None,
-                                       "line_no": None, "rule": "progress.stopped"}  # fmt: skip
-            result["evidence"] = (
-                [{"line": line, "file": str(scan.source.path)}] if scan is not None and line else []
-            )
-        else:
-            result.update(
-                summary=rules.summary_for("healthy"), fix=rules.fix_for("healthy"), confidence="medium"
-            )
-    result["ranks"] = sorted(ranks_seen)
+        return _offline_end(result, ctx, rules)
+    return None
+
+
+def _live_stopped(result: dict[str, Any], ctx: Context, rules: RuleSet) -> None:
+    halt = _stopped(ctx.scans)
+    if halt is None:
+        result.update(summary=rules.summary_for("healthy"), fix=rules.fix_for("healthy"), confidence="medium")
+        return
+    why, scan = halt
+    _hang_at(result, rules, "low", f"{why} with no error and no completion line: the job hung or was stopped from outside")
+    line = scan.last_step_line if scan is not None else ""
+    result["first_failure"] = _ff(scan.source.rank if scan else None, scan.source.host if scan else None, line,
+                                  str(scan.source.path) if scan else None, "progress.stopped")  # fmt: skip
+    result["evidence"] = [{"line": line, "file": str(scan.source.path)}] if scan is not None and line else []
+
+
+def _offline_end(result: dict[str, Any], ctx: Context, rules: RuleSet) -> Ending:
+    end = log_ending(ctx.scans)
+    if end.hang:
+        where = "the stack dump shows where" if end.kind == "stack_dump" else "before its first training step"
+        _hang_at(result, rules, "medium", f"{end.why}: the job hung ({where})")
+        result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
+        result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
+        return end
+    conf = "high" if end.kind == "completed" else "medium"
+    result.update(summary=rules.summary_for("healthy") + (f" ({end.why})" if end.kind != "nothing" else ""),
+                  fix=rules.fix_for("healthy"), confidence=conf)  # fmt: skip
+    if end.line:
+        result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
+    return end
+
+
+def _offline_kill(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet) -> bool:
+    """Offline, a SIGKILL with no kernel line while loading (or with host RAM nearly full):
+    host RAM OOM likely, to be confirmed with dmesg. Live, the oom_kill counters decide instead."""
+    likely = oom_likely(ctx.scans)
+    if result["category"] != "killed_external" or likely is None:
+        return False
+    where = result["summary"].rsplit(" (", 1)[-1] if result["summary"].endswith(")") else ""
+    result.update(category="host_oom", confidence=likely.confidence, family=rules.family_for("host_oom"),
+                  fix=rules.fix_for("host_oom"),
+                  summary=f"host RAM OOM likely (confirm with dmesg): killed by SIGKILL {likely.why}, and these logs "
+                          "have no kernel line; the kernel's OOM killer is the likely sender, `dmesg -T | grep -i oom` "
+                          "on the node confirms it" + (f" ({where}" if where else ""))  # fmt: skip
+    result["evidence"] = [{"line": ln, "rank": first.best.rank, "rule": rid}
+                          for ln, rid in zip(likely.lines, likely.rules, strict=True)] + result["evidence"]
+    return True
+
+
+_LOWER = {"high": "medium", "medium": "low", "low": "low"}
+
+
+def _hypo(category: str, confidence: str, summary: str, evidence: list[Any], rank: int | None = None) -> dict[str, Any]:
+    lines = [e.get("line") if isinstance(e, dict) else str(e) for e in evidence]
+    return {"category": category, "confidence": confidence, "summary": summary, "rank": rank,
+            "evidence": [ln for ln in lines if ln][:3]}  # fmt: skip
+
+
+def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rules: RuleSet,
+               end: Ending | None, oom_guess: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """The verdict first, then the other readings of the same logs, each with its evidence."""
+    ff = result.get("first_failure") or {}
+    out = [_hypo(result["category"], result["confidence"], result["summary"], result["evidence"], ff.get("rank"))]
+    if oom_guess:
+        out.append(_hypo("killed_external", "low", "killed by SIGKILL from outside the job (a scheduler, a person, a "
+                         "watchdog): nothing in these logs names the sender", [ff], ff.get("rank")))  # fmt: skip
+    elif ff.get("rule") == "dataloader.worker_killed":
+        out.append(_hypo("host_oom", "low", "the kernel's OOM killer is the usual sender of that signal (confirm with "
+                         "dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
+    elif result["category"] == "killed_external":
+        out.append(_hypo("host_oom", "low", "host RAM OOM is possible: these logs have no kernel line to tell "
+                         "(confirm or rule out with dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
+    if end is not None and end.kind == "ended_on_progress":
+        out.append(_hypo("hang_no_error", "low", "the job may have hung right after the last progress line, if it "
+                         "was still running when the log ended", [{"line": end.line}], end.rank))  # fmt: skip
+    for inc in ctx.recovered[:2]:
+        b = inc.best
+        out.append(_hypo(b.rule.category, "low", f"{b.rule.summary or rules.summary_for(b.rule.category)}, but "
+                         "training went on after it (a warning the run survived?)", [hit_dict(b)], b.rank))  # fmt: skip
+    seen = {h["category"] for h in out}
+    for inc in sorted(ctx.incs, key=_order):
+        b = inc.best
+        if inc is first or b.rule.category in seen or b.rule.role == "fact" or inc in ctx.recovered:
+            continue
+        seen.add(b.rule.category)
+        out.append(_hypo(b.rule.category, _LOWER[_confidence(b)], b.rule.summary or rules.summary_for(b.rule.category),
+                         [hit_dict(b)], b.rank))  # fmt: skip
+        if len(out) >= 5:
+            break
+    return out
+
+
+def say_confidence(result: dict[str, Any]) -> None:
+    """Keep the first hypothesis at the verdict's confidence, and a low-confidence verdict saying so
+    in one line."""
+    result["hypotheses"][0]["confidence"] = result["confidence"]
+    result.pop("low_confidence", None)
+    if result["confidence"] == "low":
+        alt = next((h["category"] for h in result["hypotheses"][1:]), None)
+        basis = (result.get("first_failure") or {}).get("rule") or "no rule"
+        result["low_confidence"] = (f"low confidence: only weak evidence ({basis}); a lead, not a verdict"
+                                    + (f"; also possible: {alt}" if alt else ""))  # fmt: skip
+
+
+def analyze(
+    scans: list[SourceScan],
+    extra_hits: list[Hit],
+    rules: RuleSet,
+    has_failures: bool = False,
+    window: int = DEFAULT_WINDOW,
+    threshold: float = DEFAULT_THRESHOLD,
+    live: bool = False,
+) -> tuple[dict[str, Any], Hit | None]:
+    """The verdict (a JSON-able dict) and the hit it names as the first failure (None if none).
+    ``live``: the agent asks after its workers failed (it knows the job stopped); otherwise the
+    logs are read offline, where a log that just ends is no failure."""
+    ctx = gather(scans, extra_hits, rules, window, threshold)
+    first = first_incident(ctx)
+    result: dict[str, Any] = {"category": "healthy", "summary": "", "confidence": "medium", "family": None,
+                              "first_failure": None, "evidence": [], "fix": "", "findings": ctx.findings,
+                              "cascade": [], "slowdown": ctx.slow}  # fmt: skip
+    end, oom_guess = None, False
+    if first is not None:
+        _failure(result, first, ctx, rules, has_failures)
+        oom_guess = not live and _offline_kill(result, first, ctx, rules)
+    else:
+        end = _no_failure(result, ctx, rules, live or has_failures)
+    result["hypotheses"] = hypotheses(result, first, ctx, rules, end, oom_guess)
+    say_confidence(result)
+    result["ranks"] = sorted(ctx.ranks_seen)
     return result, (first.best if first is not None else None)

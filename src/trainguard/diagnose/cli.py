@@ -40,8 +40,27 @@ def _fmt_hit(h: dict[str, Any]) -> str:
     return (f"  [{where}] " if where else "  ") + str(h.get("line", ""))
 
 
+def _label(category: str) -> str:
+    return "no failure found" if category == "healthy" else category
+
+
+def _hypotheses(r: dict[str, Any]) -> list[str]:
+    hs = r.get("hypotheses") or []
+    if len(hs) < 2 and r.get("confidence") != "low":
+        return []
+    out = ["hypotheses:"]
+    for i, h in enumerate(hs, 1):
+        who = f" (rank {h['rank']})" if h.get("rank") is not None else ""
+        out.append(f"  {i}. {_label(h['category'])}{who} [{h['confidence']}]: {h['summary']}")
+        out += [f"       {ln}" for ln in h.get("evidence", [])[:2]]
+    return out
+
+
 def render(r: dict[str, Any]) -> str:
-    out = [f"category:   {r['category']}  (confidence: {r['confidence']})", f"summary:    {r['summary']}"]
+    head = "no failure found in these logs" if r["category"] == "healthy" else r["category"]
+    out = [f"category:   {head}  (confidence: {r['confidence']})", f"summary:    {r['summary']}"]
+    if r.get("low_confidence"):
+        out.append(r["low_confidence"])
     ff = r.get("first_failure")
     if ff:
         out.append("first failure:")
@@ -54,6 +73,7 @@ def render(r: dict[str, Any]) -> str:
     if r.get("evidence"):
         out.append("evidence:")
         out += [_fmt_hit(h) for h in r["evidence"]]
+    out += _hypotheses(r)
     if r.get("cascade"):
         out.append("then (cascade on other ranks):")
         out += [_fmt_hit(h) for h in r["cascade"][:8]]

@@ -1,7 +1,7 @@
 """Split one log line into (time, rank, host, message).
 
 Understands the prefixes training logs carry, outermost first:
-a viewer's line number ``[80746] ``, Ray's ``(WorkerDict pid=88231, ip=10.2.3.14) ``, a runner's
+a viewer's line number ``[80746] ``, mpirun/Horovod's ``[1,3]<stderr>:`` (rank 3), pdsh's ``gpu-n2: `` (the host), Ray's ``(WorkerDict pid=88231, ip=10.2.3.14) ``, a runner's
 ``NAME [stderr] `` tag, ``[pod/NAME/CONTAINER] `` (kubectl logs --prefix), an ISO timestamp with optional zone and CRI
 ``stdout F`` marker (trainguard's per-rank logs, containerd, python logging), torchrun's
 ``[rankN]:`` / ``[defaultN]:``, glog/torch-elastic ``E1206 18:44:12.715298 PID file:line] `` (also
@@ -21,6 +21,9 @@ _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct N
 
 _PREFIX = re.compile(
     r"(?:\[\d{2,9}\] (?=\S))?"  # a log viewer's line number
+    r"(?:\[\d+,(?P<mpi>\d+)\]<(?:stdout|stderr)>:\s?)?"  # mpirun/Horovod: [jobid,rank]<stream>:
+    # pdsh (DeepSpeed's multi-node runner, GPT-NeoX): "gpu-n2: " - a lower-case host name with a digit
+    r"(?:(?P<pdsh>(?!(?:rank|default|python|py)\d)[a-z][a-z0-9-]{0,40}\d[a-z0-9.-]{0,40}): (?=\S| {1,4}\S))?"
     r"(?:\((?:\w+) pid=\d+(?:, ip=(?P<ray>[\w.:-]+))?\) )?"  # Ray actor/task output
     r"(?:\S+ \[(?:stdout|stderr)\] )?"  # runner tag: "bench.node [stderr] "
     r"(?:\[pod/(?P<pod>[^/\]\s]+)/[^\]\s]*\]\s*)?"
@@ -89,11 +92,11 @@ def parse_line(line: str, default_year: int = 1970) -> LineInfo:
     msg = line
     if m is not None and m.end() > 0:
         g = m.groupdict()
-        host = g["pod"] or g["ray"]
+        host = g["pod"] or g["ray"] or g["pdsh"]
         if g["iso"]:
             t = _from_groups(g, default_year)
-        if g["rank"]:
-            rank = int(g["rank"])
+        if g["rank"] or g["mpi"]:
+            rank = int(g["rank"] or g["mpi"])
         if g["glog"] and t is None:
             t = _seconds(
                 default_year, int(g["gM"]), int(g["gD"]), int(g["gh"]), int(g["gm"]), int(g["gs"]), g["gf"]

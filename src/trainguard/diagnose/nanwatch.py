@@ -3,7 +3,8 @@
 Experts read these from the numbers, not from an error message:
 - a gradient norm that stays NaN/Inf for several records (HF Trainer's ``'grad_norm': nan``,
   mmengine's ``grad_norm: nan``, Megatron's ``grad norm: nan``); one NaN followed by finite values is
-  a skipped fp16 step and normal;
+  a skipped fp16 step and normal, but a NaN in the log's last metric record (nothing finite after it:
+  the run ended there) is not (``finish``);
 - the loss stuck at exactly 0.0 while the gradient norm is NaN (HF Trainer / LLaMA-Factory);
 - the loss jumping from a normal value straight to exactly 0.0 and staying there, where the log
   has no gradient norm (LLaMA-Factory's ``trainer_log.jsonl``): a loss that decays towards 0 over
@@ -53,6 +54,7 @@ class _State:
     prev: str | None = None  # the last of them (parsed only when the next one reads 0.0)
     collapsed: int = 0  # records with loss exactly 0.0 since it jumped there
     anchor: str | None = None  # the record where the trouble began
+    nan_record: str | None = None  # the record where the gradient norm turned non-finite
     fired: bool = False
 
 
@@ -87,6 +89,7 @@ class NanWatch:
             if g is not None:
                 grad = _value(g.group(1))
                 st.nan_grads = st.nan_grads + 1 if not math.isfinite(grad) else 0
+                st.nan_record = (st.nan_record or message) if st.nan_grads else None
         if "oss" in message:
             # the loss is parsed only where it may be 0.0 or matters (cheap on a healthy log)
             lo = _LOSS.search(message) if st.nan_grads or st.collapsed or "0.0" in message else None
@@ -122,3 +125,14 @@ class NanWatch:
                 "LLaMA-Factory log such steps as loss 0.0, grad_norm nan)"
             )
         return None
+
+    def finish(self) -> list[tuple[object, str, str]]:
+        """At the end of the log: (key, record, verdict line) for each key whose last records had a
+        non-finite gradient norm and no finite one after it."""
+        out = []
+        for key, st in self._state.items():
+            if st.nan_grads and not st.fired and st.nan_record is not None:
+                st.fired = True
+                out.append((key, st.nan_record, PREFIX + "gradient norm became NaN/Inf in the last metric "
+                            "record(s) of the log, with no finite record after it (not a skipped step)"))  # fmt: skip
+        return out

@@ -25,6 +25,11 @@ _JSONSTEPS = re.compile(r'"current_steps":\s*(\d+),\s*"total_steps":\s*(\d+)')
 _HF = re.compile(r"^\{'(?:loss|train_loss|eval_loss)': |\[INFO\|trainer\.py:\d+\]")
 
 
+# tqdm bars that count data or files, not training steps (dataset maps, shards, downloads)
+DATA_BAR = re.compile(r"(?i)examples/s|shards|dataset|split|tokeniz|convert|filter|download|generating|"
+                      r"\bmap\b|loading|preprocess|fetching|files/s|ba/s|sanity check|validati|evaluat|testing|predicting")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Step:
     style: str  # hf | lightning | megatron | tqdm | bracket

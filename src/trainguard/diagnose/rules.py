@@ -70,7 +70,13 @@ FAMILIES = ("user_code", "hardware", "communication", "signal", "exit", "environ
 #   completion training finished normally (role "fact")
 #   startup    the job got through start-up (role "fact"); a log ending there stopped at start
 #   text       for short failure texts only (classify_text), not for scanning logs
-TAGS = ("oom_kill", "exit", "completion", "startup", "text")
+#   needs_exit counts only when a launcher's exit report of the same rank follows it closely
+#   stackdump  a stack dump of a live process (py-spy): someone looked at a stuck job (tail only)
+#   loading    loading a model, shards or optimizer state (tail only; offline SIGKILL -> host OOM likely)
+#   memreport  the log's own host memory report, with a group ``percent`` (tail only)
+#   stall      ranks wait for the others (tail only): a hang when no progress line follows it
+TAGS = ("oom_kill", "exit", "completion", "startup", "text", "needs_exit", "stackdump", "loading", "memreport", "stall")
+TAIL_TAGS = {"startup", "stackdump", "loading", "memreport", "stall"}  # looked for in a log's tail only
 _REGEX_META = set(".^$*+?{}[]\\|()")
 MAX_USER_PATTERN = 2000
 
@@ -174,9 +180,10 @@ class RuleSet:
     def for_logs(self) -> RuleSet:
         """The rules the keyword scan of a log uses: without the ones tagged "text" (short failure
         texts only) and "startup" (looked for in a log's tail only, see scan.py)."""
-        if not any({"text", "startup"} & set(r.tags) for r in self.rules):
+        skip = {"text"} | TAIL_TAGS
+        if not any(skip & set(r.tags) for r in self.rules):
             return self
-        return RuleSet([r for r in self.rules if not {"text", "startup"} & set(r.tags)], self.category_fix,
+        return RuleSet([r for r in self.rules if not skip & set(r.tags)], self.category_fix,
                        self.category_summary, self.category_family)  # fmt: skip
 
     def by_id(self, rule_id: str) -> Rule | None:

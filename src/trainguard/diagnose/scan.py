@@ -18,8 +18,8 @@ from trainguard.diagnose.attribution import Attribution, Who
 from trainguard.diagnose.lines import _NCCL_HOST, LineInfo, parse_line, rank_in_text
 from trainguard.diagnose.nanwatch import NanWatch
 from trainguard.diagnose.prefilter import Prefilter
-from trainguard.diagnose.progress import Step, step_of
-from trainguard.diagnose.rules import Rule, RuleSet
+from trainguard.diagnose.progress import DATA_BAR, Step, step_of
+from trainguard.diagnose.rules import TAIL_TAGS, Rule, RuleSet
 from trainguard.diagnose.sources import Source, read_chunks
 from trainguard.diagnose.steplog import StepTimer, parse_step
 
@@ -75,6 +75,12 @@ class SourceScan:
     styles: set[str] = field(default_factory=set)  # frameworks recognised from the progress lines
     completed: bool = False  # a completion line (rules tagged "completion")
     started: bool = False  # a start-up marker (rules tagged "startup")
+    # tail-only markers (rules tagged startup, stackdump, loading, memreport): tag -> the last one,
+    # as (position among the tail's lines, the line, the pattern's named groups, the rule's id)
+    marks: dict[str, tuple[int, str, dict[str, str], str]] = field(default_factory=dict)
+    last_step_at: int | None = None  # position of the last progress line among the tail's lines
+    last_metric_at: int | None = None  # ... of the last line reporting a loss/accuracy value (any format)
+    progress_at: list[tuple[int, int | None]] = field(default_factory=list)  # (file offset, rank) of progress lines in the tail
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
 
 
@@ -103,10 +109,15 @@ def _groups(m) -> dict[str, str | None]:
         return {}
 
 
+# a training metric with its value, in any format (fairseq "loss=9.1", torchtune "Loss: 2.3",
+# pytorch examples "Loss: 0.352"): progress even where no step counter is recognised
+_METRIC = re.compile(r"(?i)(?<![\w/])(?:train[_ ]|lm |total |nll_)?(?:loss|ppl|perplexity|acc|accuracy)\b['\"]?\s*[:=]?\s*['\"]?\d")
+
+
 class Scanner:
     def __init__(self, rules: RuleSet, engine: str = "auto") -> None:
         self.all_rules = rules
-        self._startup = [r for r in rules.rules if "startup" in r.tags]
+        self._tail_rules = [r for r in rules.rules if TAIL_TAGS & set(r.tags)]
         self.rules = rules = rules.for_logs()
         self.prefilter = Prefilter(rules.keywords(), engine)
         self.text_prefilter = Prefilter(self.all_rules.keywords(), engine)
@@ -142,8 +153,10 @@ class Scanner:
         tail: list[bytes] = []
         tail_len = 0
         order = 0
+        end_offset: int | None = None  # where the last chunk ends in the file (None: not known, .gz)
         for chunk in read_chunks(source.path, max_bytes, out.notes):
             buf, size = chunk.data, chunk.end  # buf is used again for the next chunk: copy what is kept
+            end_offset = None if chunk.offset is None else chunk.offset + size
             if out.bytes == 0:  # the log's own year dates glog/syslog lines (they have none)
                 y = _YEAR.search(buf, 0, min(size, 1 << 16))
                 year = int(y.group(1)) if y else year
@@ -181,7 +194,8 @@ class Scanner:
                         break
         if source.rank is not None:
             out.ranks.add(source.rank)
-        self._scan_tail(b"".join(tail)[-TAIL_BYTES:], out, year)
+        data = b"".join(tail)[-TAIL_BYTES:]
+        self._scan_tail(data, out, year, None if end_offset is None else end_offset - len(data))
         unranked = {(h.host, h.pid) for h in out.hits if h.rank is None and h.pid is not None and h.host}
         if unranked:
             self._nccl_ranks(out, unranked, max_bytes)
@@ -255,14 +269,25 @@ class Scanner:
                 return r
         return rank_in_text(info.message)
 
-    def _scan_tail(self, data: bytes, out: SourceScan, year: int) -> None:
+    def _mark(self, out: SourceScan, at: int, raw: str, msg: str) -> None:
+        for r in self._tail_rules:
+            m = r.match(msg)
+            if m is None:
+                continue
+            for tag in TAIL_TAGS & set(r.tags):
+                out.marks[tag] = (at, raw[:MAX_LINE], {k: v for k, v in m.groupdict().items() if v is not None}, r.id)
+            out.started = out.started or "startup" in r.tags
+
+    def _scan_tail(self, data: bytes, out: SourceScan, year: int, base: int | None = None) -> None:
+        """Progress, markers and the NaN watch over the log's last bytes. ``base``: the file offset
+        of ``data`` (None when not known), to place progress lines relative to error lines."""
         src = out.source
         timers: dict[int | None, StepTimer] = {}
         nan = NanWatch()
-        text = data.decode("utf-8", errors="replace")
-        for raw in re.split(r"[\r\n]+", text):
-            if not raw or len(raw) > MAX_LINE:
+        for at, m in enumerate(re.finditer(rb"[^\r\n]+", data)):
+            if m.end() - m.start() > MAX_LINE:
                 continue
+            raw = m.group().decode("utf-8", errors="replace")
             info = parse_line(raw, year)
             msg = info.message
             rank = info.rank if info.rank is not None else src.rank
@@ -272,12 +297,17 @@ class Scanner:
                 out.ranks.add(rank)
             if info.time is not None:
                 out.last_time[rank] = info.time
-            if not out.started and any(r.match(msg) for r in self._startup):
-                out.started = True
+            self._mark(out, at, raw, msg)
+            metric = ("oss" in msg or "cc" in msg or "ppl" in msg) and _METRIC.search(msg) is not None
+            if metric:
+                out.last_metric_at = at
             st = step_of(msg)
             if st is not None:
-                out.last_step, out.last_step_line = st, raw
+                out.last_step, out.last_step_line, out.last_step_at = st, raw, at
                 out.styles.add(st.style)
+            training = st is not None and st.n and not (st.style == "tqdm" and DATA_BAR.search(raw))
+            if base is not None and (metric or training) and len(out.progress_at) < MAX_STEP_SAMPLES:
+                out.progress_at.append((base + m.start(), rank))
             watched = nan.feed(rank, msg)
             if watched and self._nan_rule is not None and len(out.hits) < MAX_HITS:
                 out.hits.append(Hit(self._nan_rule, rank, info.host or src.host, info.time, str(src.path), None,
@@ -301,3 +331,7 @@ class Scanner:
                 series = out.steps.setdefault(rank, [])
                 if sample is not None and len(series) < MAX_STEP_SAMPLES:
                     series.append(sample)
+        for rank, record, verdict in nan.finish() if self._nan_rule is not None else ():
+            if len(out.hits) < MAX_HITS:
+                out.hits.append(Hit(self._nan_rule, rank, src.host, None, str(src.path), None, record, verdict,  # type: ignore[arg-type]
+                                    order=1 << 30))  # fmt: skip

@@ -30,6 +30,8 @@ _RANK_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)(?:\D|$)", re.I)
 _HOSTY = re.compile(r"(?i)^(?:.*(?:node|worker|host|pod|master|gpu|server)[\w.-]*|[a-z][\w-]*-\d+)$")
 _GENERIC = {"stdout", "stderr", "log", "logs", "train", "output", "console", "err", "out"}
 _NOT_HOST = re.compile(r"(?i)^(?:slurm|job|train|run|log|output|attempt|step|task)[-_]?\d+$")
+# what a node's diagnostic dump is named after, around the host name: dmesg_cn-234, cn-238_checks
+_DIAG_AFFIX = re.compile(r"(?i)^(?:dmesg|syslog|kern|journal|checks?)[-_]|[-_](?:dmesg|syslog|kern|journal|checks?)$")
 
 
 class SourceError(ValueError):
@@ -59,8 +61,9 @@ def describe(path: Path) -> Source:
     elif stem in ("stdout", "stderr") and path.parent.name.isdigit():  # torchrun --log-dir layout
         rank = int(path.parent.name)
     host = None
-    if m is None and stem.lower() not in _GENERIC and _HOSTY.match(stem) and not _NOT_HOST.match(stem):
-        host = stem
+    named = _DIAG_AFFIX.sub("", stem) or stem
+    if m is None and stem.lower() not in _GENERIC and _HOSTY.match(named) and not _NOT_HOST.match(named):
+        host = named
     elif path.parent.name and _HOSTY.match(path.parent.name) and not path.parent.name.startswith("attempt"):
         host = path.parent.name
     try:

@@ -9,7 +9,9 @@ one ``diagnosis`` event (rank = first failing rank, evidence = the diagnosis) an
 A SIGKILL with a silent log is host OOM only when the kernel says so: the kernel's ``oom_kill``
 counters (the workers' cgroups, else /proc/vmstat) are read when workers start and again when they
 fail (probes/oom.py); the diagnosis gets the difference, so an outside ``kill -9`` reads
-killed_external (not by the OOM killer), not host_oom.
+killed_external (not by the OOM killer), not host_oom. Live, the counters decide: the offline
+reading "host RAM OOM likely" of a SIGKILL while loading (diagnose/ending.py) is not used here.
+A low-confidence diagnosis says so in its event, and the policy does not stop the job on it.
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ class DiagnosisMonitor(Monitor):
         rank = diagnosis.rank if diagnosis.rank is not None else (min(failures) if failures else None)
         severity = "error" if diagnosis.category in _ERROR_CATEGORIES else "warning"
         msg = f"{diagnosis.category}: {diagnosis.summary}"
+        if diagnosis.confidence == "low":  # a lead, not a verdict: the policy does not stop the job on it
+            msg += " (low confidence)"
         if diagnosis.fix:
             msg += f" — fix: {diagnosis.fix.split('. ')[0]}"
         ctx.events.emit("diagnosis", msg, severity=severity, rank=rank, evidence=diagnosis.to_dict())
