@@ -11,35 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW
-from trainguard.diagnose.rules import RuleError, RuleSet, load_rules
+from trainguard.diagnose.rules import RuleError, RuleSet
+from trainguard.diagnose.scanners import own_scanner, shared_scanner
 from trainguard.diagnose.sources import SourceError
 from trainguard.diagnose.text import TextVerdict, classify_text
 
 __all__ = ["diagnose_paths", "classify_text", "TextVerdict", "RuleError", "SourceError", "DiagnoseError"]
 
 DiagnoseError = (RuleError, SourceError)
-
-_cache: dict[tuple[str, ...], tuple[RuleSet, Any]] = {}
-
-
-def _scanner(extra_rules: list[Path] | None, engine: str = "auto"):
-    from trainguard.diagnose.scan import Scanner
-
-    key = (engine, *(str(p) for p in extra_rules or []))
-    if key not in _cache or extra_rules:  # built-in rules are compiled once per process; user files re-read
-        rules = load_rules([Path(p) for p in extra_rules or []])
-        _cache[key] = (rules, Scanner(rules, engine))
-    return _cache[key]
-
-
-def _own_scanner(rules: RuleSet, engine: str):
-    from trainguard.diagnose.scan import Scanner
-
-    key = ("own", engine, id(rules))
-    if key not in _cache or _cache[key][0] is not rules:
-        _cache[key] = (rules, Scanner(rules, engine))
-    return _cache[key]
-
 
 def _agent_order_first(failure_info: dict[int, dict[str, Any]]) -> None:
     """The agent saw which rank exited first (``first_failure``); every other rank failed after it,
@@ -76,7 +55,7 @@ def diagnose_paths(
     from trainguard.diagnose.failures import failure_hits, oom_hits, read_error_files
     from trainguard.diagnose.sources import describe, error_files, expand
 
-    rules, scanner = _scanner(extra_rules, engine) if ruleset is None else _own_scanner(ruleset, engine)
+    rules, scanner = shared_scanner(extra_rules, engine) if ruleset is None else own_scanner(ruleset, engine)
     notes: list[str] = []
     files = expand(paths, notes)
     scans = [scanner.scan(describe(f), max_bytes_per_file) for f in files if not f.name.endswith(".json")]

@@ -58,9 +58,9 @@ def _lines(text: str | Iterable[str]) -> list[str]:
 def classify_text(text: str | Iterable[str], rules: RuleSet | None = None) -> TextVerdict:
     """The verdict of the rules over ``text`` (a string or lines)."""
     if rules is None:
-        from trainguard.diagnose import _scanner
+        from trainguard.diagnose.scanners import shared_scanner
 
-        rules, scanner = _scanner(None)
+        rules, scanner = shared_scanner(None)
         prefilter = scanner.text_prefilter
     else:
         prefilter = None
