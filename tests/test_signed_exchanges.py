@@ -77,20 +77,23 @@ def test_signed_straggler_exchange_still_names_the_slow_rank_and_skips_a_forged_
     key, rejected, db = job
     mons = [StragglerMonitor(CFG), StragglerMonitor(CFG)]
     ctxs = [ctx_for(tmp_path, n, Peers(f"n{n}", key, rejected).signed(server), db) for n in (0, 1)]
-    # a forger's window 0 of node 1, a slow rank 0 in it: must not be merged
-    server.set("trainguard/straggler/w0/n1", json.dumps([S.RankWindow(2, "n1", 0, 5, 900.0, 900.0, 1.0, 2.0).to_dict()]))
-    for w in range(4):  # rank 3 (n1) computes 1.5x longer, window after window
+    for w in range(7):  # rank 3 (n1) computes 1.5x longer, window after window
         for r in range(4):
             mons[r // 2].add_window(S.RankWindow(r, f"n{r // 2}", w, 5, 53.0, 75.0 if r == 3 else 50.0, 1.0, 2.0))
+    assert mons[1].poll(ctxs[1]) is None  # node 1 publishes its windows
+    for w in range(4, 7):  # a forger replaces node 1's newest windows with ones where rank 2 is 18x slower
+        forged = [S.RankWindow(2, "n1", w, 5, 903.0, 900.0, 1.0, 2.0), S.RankWindow(3, "n1", w, 5, 53.0, 50.0, 1.0, 2.0)]
+        server.set(f"trainguard/straggler/w{w}/n1", json.dumps([x.to_dict() for x in forged]))
     found = [None, None]
     deadline = time.monotonic() + 60
-    while found[1] is None and time.monotonic() < deadline:
+    while (found[1] is None or len(warnings(db)) < 3) and time.monotonic() < deadline:  # until the leader met them all
         for n in (1, 0):
             found[n] = found[n] or mons[n].poll(ctxs[n])
         time.sleep(0.05)
     assert found[1] is not None and found[1].rank == 3 and found[0] is None
-    [ev] = db.query(kinds=["straggler_detected"])
-    assert ev.rank == 3 and ev.evidence["recorded_by"] == "n0"
+    [ev] = db.query(kinds=["straggler_detected"])  # rank 2 never named from the forged windows
+    assert ev.rank == 3 and ev.evidence["recorded_by"] == "n0" and [s["rank"] for s in ev.evidence["stragglers"]] == [3]
+    assert sorted(warnings(db)) == [f"trainguard/straggler/w{w}/n1" for w in range(4, 7)]
 
 
 def test_a_forged_hang_verdict_and_claim_are_not_obeyed(tmp_path, server, job):

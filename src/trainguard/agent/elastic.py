@@ -38,7 +38,7 @@ from trainguard.cluster import exchange, runs
 from trainguard.cluster.peers import Peers
 from trainguard.cluster.stores import ForgedValue, JobKey, Rejections, bound_store, can_connect
 from trainguard.events import EventBus, Severity
-from trainguard.evidence import RankFailure
+from trainguard.evidence import PeerStop, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.policy import Action, Decision, PolicySettings
 from trainguard.probes import identity
@@ -52,6 +52,7 @@ STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the a
 WORKER_STORE_KEY = "trainguard/worker_store"
 NODE_NAME_KEY = "trainguard/node-name"  # + /<name>: the agent that goes by it in this round
 LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
+WORKER_STORE_WAIT_S = 60.0  # how long a node waits for node rank 0 to publish the workers' store (then the store's own wait)
 REACH_TIMEOUT_S = 10.0  # a node that cannot open a connection to the workers' store in this long cannot train
 
 
@@ -259,6 +260,7 @@ class TrainguardAgent(LocalElasticAgent):
             self._worker_store = bound_store(self.advertise_addr)
             where = f"{self.advertise_addr}:{self._worker_store.port}"
             signed.set(WORKER_STORE_KEY, where)
+        self._await_worker_store(store, wg.group_world_size or 1)
         try:
             where = signed.get(WORKER_STORE_KEY).decode()
         except ForgedValue:
@@ -275,6 +277,17 @@ class TrainguardAgent(LocalElasticAgent):
                 )
                 self.peers.stop_everywhere(store, wg.group_world_size or 1, msg)
                 raise NodesUnreachable(msg)
+
+    def _await_worker_store(self, store: Any, nnodes: int) -> None:
+        """Wait for node rank 0 to publish the workers' store, unless another agent stops the job
+        first (it found two agents under one name, or cannot reach us): said at once, not after
+        the store's timeout."""
+        deadline = time.monotonic() + WORKER_STORE_WAIT_S
+        while not store.check([WORKER_STORE_KEY]) and time.monotonic() < deadline:
+            news = self.peers.news(store, nnodes, force=True)
+            if isinstance(news, PeerStop):
+                raise NodesUnreachable(f"stopped by another node before the workers started: {news.reason}")
+            time.sleep(0.1)
 
     def _rejected_write(self, key: str, value: str) -> None:
         self.bus.emit(
