@@ -76,6 +76,7 @@ class _Handler(SubprocessHandler):
                 return
 
 
+PUMP_DRAIN_S = 30.0  # how long the log pumps may take to copy a stopped group's last output
 EXIT_GRACE_S = 60.0  # how long the others may take to end once a worker crashed after finishing
 
 
@@ -210,6 +211,11 @@ class TrainguardPContext(SubprocessContext):
                 os.killpg(handler.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        # Every writer of the pipes is dead now (but one that left the group): each pump reaches
+        # EOF once it has copied what is left, which on a loaded node can take a while for a
+        # hundred workers. One deadline for all: a pipe held open elsewhere cannot stall the agent.
+        deadline = time.monotonic() + PUMP_DRAIN_S
+        for handler in self.subprocess_handlers.values():
             for t in handler.worker.pumps:
-                t.join(timeout=2)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             handler.worker.output.close()

@@ -99,7 +99,7 @@ class Zygote:
             )
         finally:
             zygote_end.close()
-        self.output = RankLog()  # the zygote's own output (import warnings...) goes to the agent log
+        self.output = RankLog(hold=False)  # the zygote's own output (import warnings...) goes to the agent log
         self._pumps = start_pumps(self.proc.stdout, self.proc.stderr, self.output)  # type: ignore[arg-type]
         self._lock = threading.Lock()  # one fork request at a time
         self._cond = threading.Condition()
