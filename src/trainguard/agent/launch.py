@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import LogsSpecs, SignalException, Std
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -104,6 +104,23 @@ def _standalone(args: argparse.Namespace) -> bool:
     if args.master_port is None:
         args.master_port = 29500
     return single
+
+
+def _torch_logs(args: argparse.Namespace, specs: LogsSpecs | None) -> LogsSpecs | None:
+    """torchrun's own per-rank files, when asked for (--log-dir, --redirects, --tee): its specs,
+    whose directories the workers' output is then also written into. Otherwise None, and the empty
+    ``torchelastic_*`` directory that making torch's specs left in $TMPDIR is removed."""
+    if specs is None:
+        return None
+    if args.log_dir or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE:
+        return specs
+    root = Path(specs.root_log_dir)
+    if root.name.startswith("torchelastic_"):
+        try:
+            root.rmdir()  # only if empty: nothing of anyone else's is removed
+        except OSError:
+            pass
+    return None
 
 
 def _loopback_rendezvous(config) -> object:
@@ -240,8 +257,7 @@ def launch(args: argparse.Namespace) -> int:
         # Every monitor's settings are read first: one that cannot start stops the launch here,
         # before a run dir, a process or a port exists.
         monitors = plugins.create_monitors(args)
-        node = args.node_name or socket.gethostname()
-        run_dir, lock, store = _open_run_dir(args, node)
+        run_dir, lock, store, node = _open_run_dir(args, _node_names(args))
     except (plugins.MonitorStartError, UsageError, runlock.RunDirBusy) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -251,20 +267,38 @@ def launch(args: argparse.Namespace) -> int:
         lock.release()  # last: the run dir is this job's until everything above is done
 
 
-def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.RunDirLock, EventStore]:
-    """The run dir, locked for this node, and this node's event database in it."""
+def _node_names(args: argparse.Namespace) -> list[str]:
+    """The names this node may take, first free one wins: --node-name, else the host name; for a
+    multi-node job without --node-name also ``<host>-1``, ``<host>-2``... so that several agents of
+    one job on one host (torchrun allows it: each is a node) get distinct names and locks. A
+    single-node job keeps one name: a second one on its run dir is a mistake, refused."""
+    if args.node_name:
+        return [args.node_name]
+    host = socket.gethostname()
+    max_nodes = parse_min_max_nnodes(args.nnodes)[1]
+    return [host, *(f"{host}-{i}" for i in range(1, max_nodes))]
+
+
+def _open_run_dir(args: argparse.Namespace, names: list[str]) -> tuple[Path, runlock.RunDirLock, EventStore, str]:
+    """The run dir, locked for this node (the first of ``names`` not taken), this node's event
+    database in it, and the node's name."""
     run_dir = prepare_run_dir(args)
-    try:
-        lock = runlock.acquire(run_dir, node)
-    except OSError as exc:
-        raise UsageError(f"cannot lock run dir {run_dir}: {exc.strerror or exc}") from None
+    for node in names:
+        try:
+            lock = runlock.acquire(run_dir, node)
+            break
+        except runlock.RunDirBusy:
+            if node == names[-1]:
+                raise
+        except OSError as exc:
+            raise UsageError(f"cannot lock run dir {run_dir}: {exc.strerror or exc}") from None
     db = node_db_path(run_dir, node)  # one database per node: safe on NFS / Lustre (events/store.py)
     try:
         store = EventStore(db)
     except sqlite3.Error as exc:
         lock.release()
         raise UsageError(f"cannot store events in {db}: {exc}") from None
-    return run_dir, lock, store
+    return run_dir, lock, store, node
 
 
 def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore,
@@ -279,6 +313,9 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
     except (AssertionError, ValueError) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    torch_logs = _torch_logs(args, config.logs_specs)
+    # What torchrun's launch_agent sets in its own environment, and so in its workers'.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
     missing = _missing_rendezvous_client(config.rdzv_backend)
@@ -353,6 +390,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
             tee_ranks=tee,
             exit_barrier_timeout=args.exit_barrier_timeout,
             stop_timeout=args.worker_stop_timeout,
+            torch_logs=torch_logs,
         )
         log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, config.nproc_per_node)
         result = agent.run()

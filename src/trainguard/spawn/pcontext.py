@@ -4,6 +4,7 @@ through trainguard's per-rank log pumps."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from string import Template
 
 from torch.distributed.elastic.multiprocessing.api import (
     LogsDest,
@@ -20,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import (
 )
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-from trainguard.spawn.logs import error_file_path, finished_file_path, rank_log_path
+from trainguard.spawn.logs import Route, error_file_path, finished_file_path, rank_log_path
 from trainguard.spawn.pool import WorkerPool, WorkerProcess
 
 
@@ -34,11 +36,18 @@ class Target:
 
 
 class RunDirLogsSpecs(LogsSpecs):
-    """Error files go into the run dir; stdout/stderr are captured by our own pumps, not torch's."""
+    """Error files go into the run dir; stdout/stderr are captured by our own pumps, not torch's.
 
-    def __init__(self, run_dir: Path) -> None:
+    ``torch_specs``: torchrun's own (``--log-dir``, ``--redirects``, ``--tee``,
+    ``--local-ranks-filter``) when the user asked for its files: its ``reify`` makes the same
+    directories torchrun makes, and says per local rank which stream goes to a file, which to the
+    console (``route``); the pumps then write those files beside trainguard's rank logs."""
+
+    def __init__(self, run_dir: Path, torch_specs: LogsSpecs | None = None) -> None:
         super().__init__(log_dir=str(run_dir / "logs"))
         self.run_dir = run_dir
+        self.torch_specs = torch_specs
+        self.torch_dest: LogsDest | None = None
 
     @property
     def root_log_dir(self) -> str:
@@ -53,6 +62,8 @@ class RunDirLogsSpecs(LogsSpecs):
                 path.unlink()
             env["TORCHELASTIC_ERROR_FILE"] = str(path)
             error_files[local_rank] = str(path)
+        if self.torch_specs is not None:  # on a copy: the error files stay ours (the run dir)
+            self.torch_dest = self.torch_specs.reify(copy.deepcopy(envs))
         empty = {r: "" for r in envs}
         return LogsDest(stdouts=empty, stderrs=dict(empty), tee_stdouts={}, tee_stderrs={}, error_files=error_files)
 
@@ -94,6 +105,7 @@ class TrainguardPContext(SubprocessContext):
         entry = target.binary or "python"
         super().__init__(name=name, entrypoint=entry, args=args, envs=envs, logs_specs=logs_specs)
         self.target = target
+        self.logs_specs = logs_specs
         self.pool = pool
         self.run_dir = logs_specs.run_dir
         self.tee_ranks = tee_ranks
@@ -121,6 +133,25 @@ class TrainguardPContext(SubprocessContext):
             "args": list(self.args[local_rank]),
         }
 
+    def route(self, local_rank: int) -> Route:
+        """Where this rank's output goes as torchrun's flags say (see RunDirLogsSpecs)."""
+        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+        prefix = None
+        if template:  # what torchrun puts before each tee'd line, same substitutions
+            env = self.envs[local_rank]
+            prefix = Template(template).safe_substitute(role_name=self.name, rank=env["RANK"], local_rank=local_rank)
+        dest = self.logs_specs.torch_dest
+        if dest is None:
+            return Route(prefix=prefix)
+        console, files = set(), {}
+        for which, paths, tees in (("out", dest.stdouts, dest.tee_stdouts), ("err", dest.stderrs, dest.tee_stderrs)):
+            path = paths.get(local_rank, "")
+            if path == "" or tees.get(local_rank, os.devnull) != os.devnull:
+                console.add(which)  # not redirected, or tee'd
+            if path not in ("", os.devnull):
+                files[which] = Path(path)
+        return Route(console=frozenset(console), files=files, prefix=prefix)
+
     def _start(self) -> None:
         specs = {r: self._spec(r) for r in range(self.nprocs)}
         python = self.target.binary is None
@@ -132,7 +163,7 @@ class TrainguardPContext(SubprocessContext):
             worker = prestarted[local_rank] if prestarted else self.pool.spawn_direct(spec)
             path = rank_log_path(self.run_dir, attempt, rank)
             tee = self.tee_ranks is None or local_rank in self.tee_ranks
-            worker.output.assign(path, rank, tee)
+            worker.output.assign(path, rank, tee, self.route(local_rank))
             self.rank_logs[rank] = path
             worker.assign(spec)
             handlers[local_rank] = _Handler(worker, local_rank)
