@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
-from torch.distributed.elastic.multiprocessing.api import LogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException, Std
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -106,21 +106,10 @@ def _standalone(args: argparse.Namespace) -> bool:
     return single
 
 
-def _torch_logs(args: argparse.Namespace, specs: LogsSpecs | None) -> LogsSpecs | None:
-    """torchrun's own per-rank files, when asked for (--log-dir, --redirects, --tee): its specs,
-    whose directories the workers' output is then also written into. Otherwise None, and the empty
-    ``torchelastic_*`` directory that making torch's specs left in $TMPDIR is removed."""
-    if specs is None:
-        return None
-    if args.log_dir or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE:
-        return specs
-    root = Path(specs.root_log_dir)
-    if root.name.startswith("torchelastic_"):
-        try:
-            root.rmdir()  # only if empty: nothing of anyone else's is removed
-        except OSError:
-            pass
-    return None
+def _torch_files_wanted(args: argparse.Namespace) -> bool:
+    """Whether the user asked for torchrun's own per-rank files (--log-dir, --redirects, --tee):
+    the workers' output is then also written where torchrun writes it (its specs' directories)."""
+    return bool(args.log_dir) or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE
 
 
 def _loopback_rendezvous(config) -> object:
@@ -308,12 +297,15 @@ def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, 
     _install_signal_handlers()
     user_rdzv_id = args.rdzv_id
     single = _standalone(args)
+    torch_files = _torch_files_wanted(args)
+    if not torch_files:
+        args.log_dir = os.devnull  # torch's specs then make no torchelastic_* directory in $TMPDIR
     try:
         config, cmd, _ = config_from_args(args)
     except (AssertionError, ValueError) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    torch_logs = _torch_logs(args, config.logs_specs)
+    torch_logs = config.logs_specs if torch_files else None
     # What torchrun's launch_agent sets in its own environment, and so in its workers'.
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     if user_rdzv_id == "none" and not args.standalone:

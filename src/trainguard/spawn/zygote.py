@@ -262,6 +262,14 @@ def _prestart_mode(argv: list[str]) -> str | None:
     return None
 
 
+def _env_flag(name: str) -> bool:
+    """A PET_* flag as torchrun's parser reads it (a non-zero integer)."""
+    try:
+        return bool(int(os.environ.get(name, "0")))
+    except ValueError:
+        return False
+
+
 def start_early(argv: list[str]) -> None:
     """Start the zygote as the first thing `trainguard run` does, from its raw arguments: the
     agent's own imports (torch elastic's launcher, trainguard's monitors) take seconds, and the
@@ -273,6 +281,8 @@ def start_early(argv: list[str]) -> None:
     if sys.platform != "linux" or _early is not None:
         return
     if any(a in ("-h", "--help", "--no-python", "--no_python") for a in argv):
+        return
+    if _env_flag("PET_NO_PYTHON"):  # torchrun's environment form of --no-python
         return
     if _prestart_mode(argv) not in (None, "on"):
         return
