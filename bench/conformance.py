@@ -260,13 +260,13 @@ def judge(sc: Scenario, results: dict[str, Result]) -> list[str]:
             problems.append(f"trainguard's bad-input message is not one line: {tg.err.strip()[-500:]!r}")
     elif (tr.code == 0) != (tg.code == 0) or tr.code != tg.code:
         problems.append(f"exit torchrun {tr.code}, trainguard {tg.code}")
-    if sc.observe is not None:
-        a, b = sc.observe(tr), sc.observe(tg)
+    if sc.observe is not None:  # each in its own work dir: the paths in what they observed are made the same
+        a, b = (repr(sc.observe(r)).replace(str(r.work), "<w>") for r in (tr, tg))
         if a != b:
             problems.append(f"torchrun observed {str(a)[:300]!s}, trainguard {str(b)[:300]!s}")
-    leftover = [p.name for p in (tg.work / "tmp").iterdir() if p.name.startswith("torchelastic_")]
-    if leftover:
-        problems.append(f"trainguard left {leftover} in TMPDIR")
+    empty = [p.name for p in (tg.work / "tmp").glob("torchelastic_*") if not any(f.is_file() for f in p.rglob("*"))]
+    if empty:  # torch's files without --log-dir land in one (as with torchrun); an empty one is litter
+        problems.append(f"trainguard left the empty {empty} in TMPDIR")
     return problems
 
 
