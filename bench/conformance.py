@@ -9,7 +9,8 @@ Both launchers run with no extra flag, each in a fresh directory (trainguard's r
 
     python bench/conformance.py                 # every scenario
     python bench/conformance.py --only bash,env # some
-    python bench/conformance.py --overhead 7    # + 7 launches of a tiny job each, alternating
+    python bench/conformance.py --overhead 7    # + 7 launches of each tiny job with each launcher, alternating
+    python bench/conformance.py --only none --overhead 7   # the overhead only
 """
 
 from __future__ import annotations
@@ -275,15 +276,21 @@ def run_scenario(sc: Scenario, root: Path) -> tuple[dict[str, Result], list[str]
     return results, judge(sc, results)
 
 
-def overhead(n: int, root: Path) -> dict[str, list[float]]:
-    """Launch -> exit of a tiny job (1 worker that returns at once), alternating launchers."""
-    sc = Scenario("tiny", ["--nproc-per-node=1", "{w}/touch.py"])
+TINY_JOBS = {
+    "tiny": ["--nproc-per-node=1", "{w}/touch.py"],  # one worker that returns at once, no torch in it
+    "tiny-gloo": ["--nproc-per-node=2", "{w}/init.py", "--init-method=env://"],  # imports torch, one gloo barrier
+}
+
+
+def overhead(n: int, root: Path, job: str) -> dict[str, list[float]]:
+    """Launch -> exit of a tiny job, n times with each launcher, alternating."""
+    sc = Scenario(job, TINY_JOBS[job])
     times: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
     for i in range(n):
         for name in LAUNCHERS:
-            r = run_one(sc, name, root / f"tiny-{i}" / name)
+            r = run_one(sc, name, root / f"{job}-{i}" / name)
             if r.code != 0:
-                raise SystemExit(f"{name} failed the tiny job: {r.err[-2000:]}")
+                raise SystemExit(f"{name} failed the {job} job: {r.err[-2000:]}")
             times[name].append(r.seconds)
     return times
 
@@ -294,7 +301,7 @@ def main() -> int:
     ap.add_argument("--overhead", type=int, default=0, metavar="N", help="also time N launches of a tiny job with each")
     ap.add_argument("--keep", default=None, help="keep the work dirs under this directory")
     args = ap.parse_args()
-    chosen = [s for s in scenarios() if not args.only or s.name in args.only.split(",")]
+    chosen = [s for s in scenarios() if not args.only or s.name in args.only.split(",")] if args.only != "none" else []
     root = Path(tempfile.mkdtemp(prefix="tgconf-", dir=args.keep))
     failed, shown, walls = 0, set(), {name: [] for name in LAUNCHERS}
     print(f"{'scenario':<30} {'torchrun':>9} {'trainguard':>11}  result")
@@ -315,11 +322,11 @@ def main() -> int:
     if ratios:
         print(f"\nlaunch -> exit, trainguard/torchrun per scenario: median {statistics.median(ratios):.2f}x "
               f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
-    if args.overhead:
-        t = overhead(args.overhead, root)
+    for job in TINY_JOBS if args.overhead else ():
+        t = overhead(args.overhead, root, job)
         tr, tg = statistics.median(t["torchrun"]), statistics.median(t["trainguard"])
-        print(f"tiny job launch -> exit, {args.overhead} each: torchrun median {tr:.2f} s, trainguard median {tg:.2f} s, "
-              f"ratio {tg / tr:.2f}x")
+        print(f"{job} job launch -> exit, {args.overhead} each: torchrun median {tr:.2f} s, trainguard median {tg:.2f} s, "
+              f"ratio {tg / tr:.2f}x", flush=True)
     if args.keep is None:
         import shutil
 

@@ -264,7 +264,10 @@ def _node_names(args: argparse.Namespace) -> list[str]:
     if args.node_name:
         return [args.node_name]
     host = socket.gethostname()
-    max_nodes = parse_min_max_nnodes(args.nnodes)[1]
+    try:
+        max_nodes = parse_min_max_nnodes(args.nnodes)[1]
+    except (RuntimeError, ValueError):  # said by config_from_args, in one line
+        max_nodes = 1
     return [host, *(f"{host}-{i}" for i in range(1, max_nodes))]
 
 
