@@ -8,7 +8,18 @@ import sys
 
 import psutil
 import pytest
-from tgtest import EXAMPLE, SCRIPTS, events, rank_log, trainguard_cmd, wait_event, wait_for, wait_log
+from tgtest import (
+    EXAMPLE,
+    SCRIPTS,
+    events,
+    missing_tools,
+    rank_log,
+    require,
+    trainguard_cmd,
+    wait_event,
+    wait_for,
+    wait_log,
+)
 
 from trainguard.chaos import testbed
 from trainguard.rundir import chaos_hold as hold
@@ -138,6 +149,7 @@ def test_chaos_hang_needs_the_worker_hooks(jobs, tmp_path):
 def test_chaos_net_loss_and_net_slow_revert_cleanly(jobs, tmp_path):
     """A node in its own network namespace: net-loss (netem, else a random-drop iptables rule) and
     net-slow (a tbf thin link) change its interface while held and leave nothing after."""
+    require(missing_tools("tc", "iptables"))  # read below whichever way the loss is made
     run = tmp_path / "run"
     with testbed.Testbed(1) as bed:
         [node] = bed.nodes

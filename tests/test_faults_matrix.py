@@ -10,9 +10,9 @@ import sys
 from datetime import datetime
 
 import pytest
-from tgtest import REPO, bench_module
+from tgtest import REPO, bench_module, require
 
-from trainguard.chaos import testbed
+from trainguard.chaos import etcd_server, testbed
 from trainguard.events.store import read_all
 
 needs_testbed = pytest.mark.skipif(testbed.available() is not None, reason=str(testbed.available()))
@@ -35,6 +35,7 @@ EXPECTED = {
 @needs_testbed
 @pytest.mark.timeout(1200)
 def test_fault_matrix_every_case_survived(tmp_path):
+    require(etcd_server.available())  # the store-host-kill case runs torch's etcd-v2 rendezvous
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "faults.py"), "--jobs", "2", "--steps", "100", "--keep", tmp_path],
         capture_output=True, text=True, timeout=1150,

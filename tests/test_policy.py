@@ -63,6 +63,14 @@ def test_zerodivision_on_healthy_hardware_stops_at_once_without_retry():
     assert d.evidence["cause"]["kind"] == P.USER
 
 
+def test_restart_on_error_restarts_the_users_exception_as_torchrun_does_while_restarts_are_left():
+    """--restart-on-error: torchrun's semantics (every failure restarts within --max-restarts)."""
+    d = P.decide_on_failure({1: ZERODIV}, remaining_restarts=1, diagnosis=None, hardware=HEALTHY, restart_on_error=True)
+    assert d.action == Action.RESTART and "--restart-on-error" in d.reason and "ZeroDivisionError" in d.reason
+    d = P.decide_on_failure({1: ZERODIV}, remaining_restarts=0, diagnosis=None, hardware=HEALTHY, restart_on_error=True)
+    assert d.action == Action.STOP_JOB and "no restarts are left" in d.reason
+
+
 def test_user_error_wins_over_the_peer_connection_errors_it_caused():
     d = P.decide_on_failure({0: GLOO_PEER, 1: ZERODIV}, 2, None, HEALTHY)
     assert d.action == Action.STOP_JOB and d.rank == 1

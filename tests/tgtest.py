@@ -30,6 +30,29 @@ def bench_module(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
+
+
+def require(problem: str | None) -> None:
+    """A tool or package the test needs that .ci/run installs: in CI (``CI`` set) its absence is a
+    failure; elsewhere (a fresh machine without the Debian packages) the test is skipped with the
+    reason. ``problem``: why it cannot run here, None when it can."""
+    if problem is None:
+        return
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"{problem} (.ci/run installs it; in CI this test must run)")
+    pytest.skip(problem)
+
+
+def missing_tools(*names: str) -> str | None:
+    """Which of these executables are not on PATH, said as a reason (None: all are)."""
+    import shutil
+
+    gone = [n for n in names if shutil.which(n) is None]
+    return f"{', '.join(gone)} not installed" if gone else None
+
+
 DEADLINE = 180.0  # generous: these machines are shared and noisy
 
 

@@ -82,6 +82,7 @@ class PolicySettings:
     nnodes: str = ""  # torchrun's --nnodes: "N" or "MIN:MAX"
     exclude_straggler: bool = False  # --exclude-straggler: a straggler's node leaves while training
     node_check_exclude_straggler: bool = False  # --node-check-exclude-straggler: ... before start
+    restart_on_error: bool = False  # --restart-on-error: torchrun's restarts on the user's own exception too
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> PolicySettings:
@@ -89,6 +90,7 @@ class PolicySettings:
             nnodes=str(options.nnodes or ""),
             exclude_straggler=bool(options.exclude_straggler),
             node_check_exclude_straggler=bool(options.node_check_exclude_straggler),
+            restart_on_error=bool(getattr(options, "restart_on_error", False)),
         )
 
     def min_nodes(self, current: int) -> int:
@@ -218,6 +220,7 @@ def decide_on_failure(
     hardware: HardwareReport | None = None,
     hang: HangEvidence | None = None,
     new_round_pending: bool = False,
+    restart_on_error: bool = False,
 ) -> Decision:
     """Workers of this node failed. ``diagnosis``: the log diagnosis of the attempt; ``hardware``:
     the quick check run after the failure (None when none ran); ``hang``: the job's hang verdict,
@@ -225,7 +228,9 @@ def decide_on_failure(
     their peers: they act on the verdict too, not on a failure of their own).
     ``new_round_pending``: nodes wait in the rendezvous for a new round (one joined late, or
     another node's agent already left this round for it): a failure to reach peers is then that
-    peer moving on, a membership change that does not use the restart budget."""
+    peer moving on, a membership change that does not use the restart budget.
+    ``restart_on_error`` (--restart-on-error): the user's own exception is restarted like any other
+    failure while restarts are left, as torchrun does, instead of stopping the job at once."""
     ranks = sorted(failures)
     on_hang = decide_on_hang(hang) if hang is not None else None
     if on_hang is not None:
@@ -259,7 +264,11 @@ def decide_on_failure(
         action = Action.RERENDEZVOUS
         reason = (f"workers failed ({where}: {cause.detail}) while nodes wait for a new rendezvous round: "
                   "a peer moved on to it (a node joined or restarted); no restart used")
-    elif cause.kind in (USER, ENVIRONMENT):
+    elif cause.kind in (USER, ENVIRONMENT) and restart_on_error and remaining_restarts > 0:
+        action = Action.RESTART
+        reason = (f"user code failed ({where}: {cause.detail}); --restart-on-error: restarting, "
+                  f"{remaining_restarts} restart(s) left")
+    elif cause.kind in (USER, ENVIRONMENT) and not restart_on_error:
         evidence["scenario"] = 4
         hw = "healthy hardware" if hardware is not None else "no hardware fault known"
         action = Action.STOP_JOB

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from torch.distributed.run import get_args_parser
+from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
 from trainguard.events import Severity
 from trainguard.exitcodes import EXIT_USAGE
@@ -62,15 +62,40 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-stop-timeout", type=seconds, default=15, help="seconds between SIGTERM and SIGKILL")
     g.add_argument("--exit-barrier-timeout", type=float, default=300, help=argparse.SUPPRESS)
     g.add_argument("--quiet", action="store_true", help="do not echo worker output to the console")
+    g.add_argument("--restart-on-error", action="store_true",
+                   help="restart on the user's own exception too, as torchrun does, while --max-restarts allows "
+                   "(default: such a failure stops the job at once: a retry would fail the same way)")
     g.add_argument("--hold-on-failure", type=_minutes, default=None, metavar="MINUTES",
                    help="when the job fails here, keep this node's agent (and its allocation) alive this long for "
                    "inspection; SIGTERM ends the hold early")
 
 
+def _torchrun_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """Accept the abbreviations torchrun's parser accepts (``--redirect=3``, ``--nproc=2``: argparse's
+    prefix matching), among torchrun's own flags only: trainguard's flags (and the monitors') need
+    their full name, so an abbreviation torchrun takes means the same here however many flags
+    trainguard adds, and a script flag such as --ckpt is never taken for our --ckpt-dir. One that
+    fits several of torchrun's flags is not an option (argparse then says it is unrecognized)."""
+    torch_options = set(parser._option_string_actions)
+    find = parser._get_option_tuples
+
+    def option_tuples(option_string: str) -> list:
+        if not option_string.startswith("--"):
+            return find(option_string)  # single-dash: argparse's own rules (-r3)
+        parser.allow_abbrev = True
+        try:
+            found = [t for t in find(option_string) if t[1] in torch_options]
+        finally:
+            parser.allow_abbrev = False
+        return found[:1] if len({id(t[0]) for t in found}) == 1 else []  # --a-b and --a_b: one action
+
+    parser._get_option_tuples = option_tuples  # type: ignore[method-assign]
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
-    # No prefix matching: a script flag such as --ckpt must never be taken for our --ckpt-dir.
-    parser.allow_abbrev = False
+    parser.allow_abbrev = False  # prefixes: torchrun's flags only (_torchrun_abbreviations)
+    _torchrun_abbreviations(parser)
     parser.prog = "trainguard run"
     parser.description = "Launch a guarded distributed job. Accepts every torchrun flag."
     add_trainguard_arguments(parser)
@@ -86,6 +111,10 @@ def validate(args: argparse.Namespace) -> str | None:
         script = args.training_script
         if not os.path.isfile(script):
             return f"training script not found: {script}"
+    try:
+        parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        return f"--nnodes {args.nnodes!r}: expected a number of nodes N or MIN:MAX"
     nproc = str(args.nproc_per_node).strip()
     if nproc.lstrip("-").isdigit() and int(nproc) < 1:
         return f"--nproc-per-node must be at least 1 (or auto, gpu, cpu), got {nproc}"

@@ -31,6 +31,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import LogsSpecs
 from torch.distributed.elastic.utils import macros
 
 from trainguard import policy, stopsignal, torch_compat
@@ -101,8 +102,9 @@ class TrainguardAgent(LocalElasticAgent):
         tee_ranks: set[int] | None = None,
         exit_barrier_timeout: float = 300,
         stop_timeout: int = 15,
+        torch_logs: LogsSpecs | None = None,
     ) -> None:
-        self.logs = RunDirLogsSpecs(run_dir)
+        self.logs = RunDirLogsSpecs(run_dir, torch_logs)
         super().__init__(spec, self.logs, exit_barrier_timeout=exit_barrier_timeout)
         self.run_dir = run_dir
         self.bus = bus
@@ -513,6 +515,7 @@ class TrainguardAgent(LocalElasticAgent):
                 found.hardware if found else None,
                 found.hang if found else None,
                 new_round_pending=_nodes_waiting(wg) > 0,
+                restart_on_error=self.policy_settings.restart_on_error,
             )
         except Exception as exc:  # the policy failing must not take the job with it
             log.exception("policy failed")

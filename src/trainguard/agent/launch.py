@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import SignalException, Std
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -107,6 +107,12 @@ def _standalone(args: argparse.Namespace) -> bool:
     if args.master_port is None:
         args.master_port = 29500
     return single
+
+
+def _torch_files_wanted(args: argparse.Namespace) -> bool:
+    """Whether the user asked for torchrun's own per-rank files (--log-dir, --redirects, --tee):
+    the workers' output is then also written where torchrun writes it (its specs' directories)."""
+    return bool(args.log_dir) or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE
 
 
 def _loopback_rendezvous(config) -> object:
@@ -246,10 +252,10 @@ def launch(args: argparse.Namespace) -> int:
         bad = bad_urls((args.notify or []) + urls_from_env())
         if bad:  # said now, not at the first failure a job has hours later
             raise UsageError(f"notification URL not understood: {bad[0]} (see https://github.com/caronc/apprise)")
-        node = args.node_name or socket.gethostname()
-        if problem := node_name_problem(node):  # a name from the scheduler or the hostname: checked like --node-name
+        names = _node_names(args)
+        if problem := node_name_problem(names[0]):  # a name from the scheduler or the hostname: checked like --node-name
             raise UsageError(f"node name {problem}; give --node-name")
-        run_dir, lock, store = _open_run_dir(args, node)
+        run_dir, lock, store, node = _open_run_dir(args, names)
     except (plugins.MonitorStartError, UsageError, runlock.RunDirBusy) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -259,20 +265,41 @@ def launch(args: argparse.Namespace) -> int:
         lock.release()  # last: the run dir is this job's until everything above is done
 
 
-def _open_run_dir(args: argparse.Namespace, node: str) -> tuple[Path, runlock.RunDirLock, EventStore]:
-    """The run dir, locked for this node, and this node's event database in it."""
-    run_dir = prepare_run_dir(args)
+def _node_names(args: argparse.Namespace) -> list[str]:
+    """The names this node may take, first free one wins: --node-name, else the host name; for a
+    multi-node job without --node-name also ``<host>-1``, ``<host>-2``... so that several agents of
+    one job on one host (torchrun allows it: each is a node) get distinct names and locks. A
+    single-node job keeps one name: a second one on its run dir is a mistake, refused."""
+    if args.node_name:
+        return [args.node_name]
+    host = socket.gethostname()
     try:
-        lock = runlock.acquire(run_dir, node)
-    except OSError as exc:
-        raise UsageError(f"cannot lock run dir {run_dir}: {exc.strerror or exc}") from None
+        max_nodes = parse_min_max_nnodes(args.nnodes)[1]
+    except (RuntimeError, ValueError):  # said by config_from_args, in one line
+        max_nodes = 1
+    return [host, *(f"{host}-{i}" for i in range(1, max_nodes))]
+
+
+def _open_run_dir(args: argparse.Namespace, names: list[str]) -> tuple[Path, runlock.RunDirLock, EventStore, str]:
+    """The run dir, locked for this node (the first of ``names`` not taken), this node's event
+    database in it, and the node's name."""
+    run_dir = prepare_run_dir(args)
+    for node in names:
+        try:
+            lock = runlock.acquire(run_dir, node)
+            break
+        except runlock.RunDirBusy:
+            if node == names[-1]:
+                raise
+        except OSError as exc:
+            raise UsageError(f"cannot lock run dir {run_dir}: {exc.strerror or exc}") from None
     db = node_db_path(run_dir, node)  # one database per node: safe on NFS / Lustre (events/store.py)
     try:
         store = EventStore(db)
     except (sqlite3.Error, OSError) as exc:  # OSError: a symlink or special file where the database goes
         lock.release()
         raise UsageError(f"cannot store events in {db}: {exc}") from None
-    return run_dir, lock, store
+    return run_dir, lock, store, node
 
 
 @dataclass
@@ -285,6 +312,7 @@ class Job:
     advertise: str  # the address the other nodes reach this one through
     rdzv: RendezvousParameters
     rdzv_server: object | None  # the store this node hosts, kept alive as long as the job runs
+    torch_logs: object | None  # torch's own per-rank files (--log-dir/--redirects/--tee), None when not asked for
 
 
 @dataclass
@@ -301,10 +329,15 @@ def _resolve_job(args: argparse.Namespace) -> Job:
     """torchrun's config from the flags, the rendezvous store this node hosts, its address."""
     user_rdzv_id = args.rdzv_id
     single = _standalone(args)
+    torch_files = _torch_files_wanted(args)
+    if not torch_files:
+        args.log_dir = os.devnull  # torch's specs then make no torchelastic_* directory in $TMPDIR
     try:
         config, cmd, _ = config_from_args(args)
     except (AssertionError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    # What torchrun's launch_agent sets in its own environment, and so in its workers'.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     if user_rdzv_id == "none" and not args.standalone:
         config.run_id = str(uuid.uuid4())
     missing = _missing_rendezvous_client(config.rdzv_backend)
@@ -326,7 +359,7 @@ def _resolve_job(args: argparse.Namespace) -> Job:
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
-    return Job(config, cmd, single, advertise, rdzv, rdzv_server)
+    return Job(config, cmd, single, advertise, rdzv, rdzv_server, config.logs_specs if torch_files else None)
 
 
 def _event_bus(args: argparse.Namespace, store: EventStore, node: str, run_dir: Path) -> tuple[EventBus, Notifier]:
@@ -375,6 +408,7 @@ def _make_agent(args: argparse.Namespace, job: Job, run_dir: Path, monitors: lis
         tee_ranks=tee,
         exit_barrier_timeout=args.exit_barrier_timeout,
         stop_timeout=args.worker_stop_timeout,
+        torch_logs=job.torch_logs,
     )
 
 

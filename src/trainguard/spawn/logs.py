@@ -3,8 +3,11 @@ the agent's own log. Neither stops the job, nor floods the console, when the dis
 
 A pump thread per pipe reads the worker's output, writes
 ``2026-11-21T09:30:01.123456 [rank1]: <text>`` to ``RUN_DIR/logs/attempt-<n>/rank-<rank>.log``
-and tees it to the agent's console. Pipes are attached when a pre-started process is created;
-the rank is only known later, so output before that goes to the agent log. A carriage return ends
+and tees it to the agent's console. Pipes are attached when a process is created; the rank is
+only known a moment later (``RankLog.assign``), so lines that come before are held and written
+once it is known: a ``--no-python`` worker that prints one line and exits at once loses nothing.
+Where torchrun would write its own per-rank files (``--redirects``/``--tee`` under ``--log-dir``)
+the pump writes them too (``Route``). A carriage return ends
 a line too: progress bars (tqdm in HF Trainer, LLaMA-Factory, Accelerate) rewrite one line with
 ``\r``, and each update is a timestamped step-time reading while the bar still runs (the slowdown
 monitor follows them live); on the console such a line still ends with ``\r``.
@@ -17,6 +20,7 @@ import logging
 import re
 import sys
 import threading
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import IO
@@ -25,6 +29,7 @@ log = logging.getLogger("trainguard.worker_output")  # the agent log only (see a
 disk_log = logging.getLogger("trainguard.logs")  # on the console too
 
 MAX_LINE = 1 << 20  # longer output without a line end is written in pieces of this size
+MAX_HELD = 10_000  # lines held before the rank is known; past this they go to the agent log
 _EOL = re.compile(rb"\r\n|\r|\n")
 
 
@@ -50,47 +55,84 @@ def stamp() -> str:
     return datetime.now().strftime("%Y-%m-%dT%H:%M:%S.%f")
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a worker's output goes besides its rank log, as torchrun's flags say: the console per
+    stream ("out", "err"; off for a stream redirected without tee, or a rank --local-ranks-filter
+    leaves out), torch's own per-rank files per stream (``<log-dir>/<run>/attempt_<n>/<local
+    rank>/stdout.log``), and the console prefix (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)."""
+
+    console: frozenset[str] = frozenset({"out", "err"})
+    files: dict[str, Path] = field(default_factory=dict)
+    prefix: str | None = None  # None: "[rank<N>]: "
+
+
 class RankLog:
-    """Destination of one worker's output. Thread-safe; opened lazily once the rank is known.
+    """Destination of one worker's output. Thread-safe; opened once the rank is known
+    (``assign``). Lines that come before are held (``hold``; the zygote's own output is not: it
+    has no rank and goes to the agent log as it comes).
 
     A line that cannot be written (disk full) is counted, never retried: the first failure is said
     once on the console, and when writing works again the file gets one line saying how many lines
     are missing, so a reader of the log knows it has a hole."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = True) -> None:
         self._lock = threading.Lock()
         self._file: IO[bytes] | None = None
+        self._files: dict[str, IO[bytes]] = {}  # torch's per-stream files (Route.files)
         self._prefix = "[pending]: "
-        self._tee = False
+        self._console_prefix = self._prefix
+        self._console: frozenset[str] = frozenset()
+        self._assigned = False
+        self._closed = False
+        self._hold = hold
+        self._held: list[tuple[str, IO[str], str, str]] = []
         self._lost = 0  # lines not written since the last successful write
         self._said = False
         self.path: Path | None = None
 
-    def assign(self, path: Path, rank: int, tee: bool) -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            f: IO[bytes] | None = open(path, "ab", buffering=0)  # noqa: SIM115 - one write per line, nothing held back
-        except OSError as exc:
-            f = None
-            disk_log.warning("cannot open %s: %s; rank %d's output goes only to the agent log", path, exc.strerror or exc, rank)
+    def assign(self, path: Path, rank: int, tee: bool, route: Route | None = None) -> None:
+        route = route or Route()
+        f = _open_append(path, rank)
+        files = {which: g for which, p in route.files.items() if (g := _open_append(p, rank)) is not None}
         with self._lock:
             self._file = f
+            self._files = files
             self._prefix = f"[rank{rank}]: "
-            self._tee = tee
+            self._console_prefix = self._prefix if route.prefix is None else route.prefix
+            self._console = route.console if tee else frozenset()
             self.path = path
+            self._assigned = True
+            held, self._held = self._held, []
+            for text, stream, end, which in held:
+                self._emit(text, stream, end, which)
 
-    def write_line(self, text: str, stream: IO[str], end: str = "\n") -> None:
+    def write_line(self, text: str, stream: IO[str], end: str = "\n", which: str = "out") -> None:
         with self._lock:
-            if self._file is None:
+            if self._assigned and not self._closed:
+                self._emit(text, stream, end, which)
+            elif self._hold and not self._closed and len(self._held) < MAX_HELD:
+                self._held.append((text, stream, end, which))  # the rank comes in a moment
+            else:
                 log.info("%s%s", self._prefix, text)
-                return
+
+    def _emit(self, text: str, stream: IO[str], end: str, which: str) -> None:
+        if self._file is None:
+            log.info("%s%s", self._prefix, text)
+        else:
             self._write(f"{stamp()} {self._prefix}{text}\n")
-            if self._tee:
-                try:
-                    stream.write(f"{self._prefix}{text}{end}")
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
+        raw = self._files.get(which)
+        if raw is not None:
+            try:
+                raw.write(f"{text}{end}".encode("utf-8", errors="replace"))
+            except (OSError, ValueError):
+                pass  # torch's copy; the rank log above is the one that says when lines are missing
+        if which in self._console:
+            try:
+                stream.write(f"{self._console_prefix}{text}{end}")
+                stream.flush()
+            except (OSError, ValueError):
+                pass
 
     def _write(self, line: str) -> None:
         assert self._file is not None
@@ -109,12 +151,27 @@ class RankLog:
 
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                try:
-                    self._file.close()
-                except OSError:
-                    pass
-                self._file = None
+            self._closed = True
+            held, self._held = self._held, []
+            for text, _stream, _end, _which in held:  # a spare that never got a rank
+                log.info("%s%s", self._prefix, text)
+            for f in [self._file, *self._files.values()]:
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+            self._file = None
+            self._files = {}
+
+
+def _open_append(path: Path, rank: int) -> IO[bytes] | None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab", buffering=0)  # noqa: SIM115 - one write per line, nothing held back
+    except OSError as exc:
+        disk_log.warning("cannot open %s: %s; rank %d's output goes only to the agent log", path, exc.strerror or exc, rank)
+        return None
 
 
 class AgentLogHandler(logging.FileHandler):
@@ -152,24 +209,24 @@ class AgentLogHandler(logging.FileHandler):
             pass
 
 
-def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str]) -> None:
+def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str], which: str = "out") -> None:
     """Copy lines from a worker pipe until EOF. Runs on its own daemon thread."""
     buf = b""
     try:
         while chunk := pipe.read1(1 << 16):  # type: ignore[attr-defined]
-            buf = _write_lines(buf + chunk, dest, stream)
+            buf = _write_lines(buf + chunk, dest, stream, which)
     except (OSError, ValueError):
         pass
     finally:
         if buf.rstrip(b"\r"):
-            dest.write_line(buf.rstrip(b"\r").decode("utf-8", errors="replace"), stream)
+            dest.write_line(buf.rstrip(b"\r").decode("utf-8", errors="replace"), stream, "\n", which)
         try:
             pipe.close()
         except OSError:
             pass
 
 
-def _write_lines(buf: bytes, dest: RankLog, stream: IO[str]) -> bytes:
+def _write_lines(buf: bytes, dest: RankLog, stream: IO[str], which: str) -> bytes:
     """Write the complete lines in ``buf``; return what is left (an unfinished line)."""
     start = 0
     for m in _EOL.finditer(buf):
@@ -179,10 +236,10 @@ def _write_lines(buf: bytes, dest: RankLog, stream: IO[str]) -> bytes:
         start = m.end()
         if m.group() == b"\r" and not text:
             continue  # a bar cleared before it is redrawn: nothing to record
-        dest.write_line(text.decode("utf-8", errors="replace"), stream, "\r" if m.group() == b"\r" else "\n")
+        dest.write_line(text.decode("utf-8", errors="replace"), stream, "\r" if m.group() == b"\r" else "\n", which)
     rest = buf[start:]
     while len(rest) > MAX_LINE:
-        dest.write_line(rest[:MAX_LINE].decode("utf-8", errors="replace"), stream)
+        dest.write_line(rest[:MAX_LINE].decode("utf-8", errors="replace"), stream, "\n", which)
         rest = rest[MAX_LINE:]
     return rest
 
@@ -190,7 +247,7 @@ def _write_lines(buf: bytes, dest: RankLog, stream: IO[str]) -> bytes:
 def start_pumps(stdout: IO[bytes], stderr: IO[bytes], dest: RankLog) -> list[threading.Thread]:
     threads = []
     for pipe, stream, name in ((stdout, sys.stdout, "out"), (stderr, sys.stderr, "err")):
-        t = threading.Thread(target=pump, args=(pipe, dest, stream), name=f"trainguard-log-{name}", daemon=True)
+        t = threading.Thread(target=pump, args=(pipe, dest, stream, name), name=f"trainguard-log-{name}", daemon=True)
         t.start()
         threads.append(t)
     return threads

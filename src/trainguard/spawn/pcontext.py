@@ -4,6 +4,7 @@ through trainguard's per-rank log pumps."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from string import Template
 
 from torch.distributed.elastic.multiprocessing.api import (
     LogsDest,
@@ -21,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import (
 )
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-from trainguard.spawn.logs import error_file_path, finished_file_path, rank_log_path
+from trainguard.spawn.logs import Route, error_file_path, finished_file_path, rank_log_path
 from trainguard.spawn.pool import WorkerPool, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -37,11 +39,18 @@ class Target:
 
 
 class RunDirLogsSpecs(LogsSpecs):
-    """Error files go into the run dir; stdout/stderr are captured by our own pumps, not torch's."""
+    """Error files go into the run dir; stdout/stderr are captured by our own pumps, not torch's.
 
-    def __init__(self, run_dir: Path) -> None:
+    ``torch_specs``: torchrun's own (``--log-dir``, ``--redirects``, ``--tee``,
+    ``--local-ranks-filter``) when the user asked for its files: its ``reify`` makes the same
+    directories torchrun makes, and says per local rank which stream goes to a file, which to the
+    console (``route``); the pumps then write those files beside trainguard's rank logs."""
+
+    def __init__(self, run_dir: Path, torch_specs: LogsSpecs | None = None) -> None:
         super().__init__(log_dir=str(run_dir / "logs"))
         self.run_dir = run_dir
+        self.torch_specs = torch_specs
+        self.torch_dest: LogsDest | None = None
 
     @property
     def root_log_dir(self) -> str:
@@ -56,6 +65,8 @@ class RunDirLogsSpecs(LogsSpecs):
                 path.unlink()
             env["TORCHELASTIC_ERROR_FILE"] = str(path)
             error_files[local_rank] = str(path)
+        if self.torch_specs is not None:  # on a copy: the error files stay ours (the run dir)
+            self.torch_dest = self.torch_specs.reify(copy.deepcopy(envs))
         empty = {r: "" for r in envs}
         return LogsDest(stdouts=empty, stderrs=dict(empty), tee_stdouts={}, tee_stderrs={}, error_files=error_files)
 
@@ -79,6 +90,7 @@ class _Handler(SubprocessHandler):
                 return
 
 
+PUMP_DRAIN_S = 30.0  # how long the log pumps may take to copy a stopped group's last output
 EXIT_GRACE_S = 60.0  # how long the others may take to end once a worker crashed after finishing
 
 
@@ -108,6 +120,7 @@ class TrainguardPContext(SubprocessContext):
         entry = target.binary or "python"
         super().__init__(name=name, entrypoint=entry, args=args, envs=envs, logs_specs=logs_specs)
         self.target = target
+        self.logs_specs = logs_specs
         self.pool = pool
         self.run_dir = logs_specs.run_dir
         self.tee_ranks = tee_ranks
@@ -135,6 +148,25 @@ class TrainguardPContext(SubprocessContext):
             "args": list(self.args[local_rank]),
         }
 
+    def route(self, local_rank: int) -> Route:
+        """Where this rank's output goes as torchrun's flags say (see RunDirLogsSpecs)."""
+        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+        prefix = None
+        if template:  # what torchrun puts before each tee'd line, same substitutions
+            env = self.envs[local_rank]
+            prefix = Template(template).safe_substitute(role_name=self.name, rank=env["RANK"], local_rank=local_rank)
+        dest = self.logs_specs.torch_dest
+        if dest is None:
+            return Route(prefix=prefix)
+        console, files = set(), {}
+        for which, paths, tees in (("out", dest.stdouts, dest.tee_stdouts), ("err", dest.stderrs, dest.tee_stderrs)):
+            path = paths.get(local_rank, "")
+            if path == "" or tees.get(local_rank, os.devnull) != os.devnull:
+                console.add(which)  # not redirected, or tee'd
+            if path not in ("", os.devnull):
+                files[which] = Path(path)
+        return Route(console=frozenset(console), files=files, prefix=prefix)
+
     def _start(self) -> None:
         specs = {r: self._spec(r) for r in range(self.nprocs)}
         python = self.target.binary is None
@@ -146,7 +178,7 @@ class TrainguardPContext(SubprocessContext):
             worker = prestarted[local_rank] if prestarted else self.pool.spawn_direct(spec)
             path = rank_log_path(self.run_dir, attempt, rank)
             tee = self.tee_ranks is None or local_rank in self.tee_ranks
-            worker.output.assign(path, rank, tee)
+            worker.output.assign(path, rank, tee, self.route(local_rank))
             self.rank_logs[rank] = path
             worker.assign(spec)
             handlers[local_rank] = _Handler(worker, local_rank)
@@ -240,6 +272,11 @@ class TrainguardPContext(SubprocessContext):
                 os.killpg(handler.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        # Every writer of the pipes is dead now (but one that left the group): each pump reaches
+        # EOF once it has copied what is left, which on a loaded node can take a while for a
+        # hundred workers. One deadline for all: a pipe held open elsewhere cannot stall the agent.
+        deadline = time.monotonic() + PUMP_DRAIN_S
+        for handler in self.subprocess_handlers.values():
             for t in handler.worker.pumps:
-                t.join(timeout=2)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             handler.worker.output.close()

@@ -99,7 +99,7 @@ class Zygote:
             )
         finally:
             zygote_end.close()
-        self.output = RankLog()  # the zygote's own output (import warnings...) goes to the agent log
+        self.output = RankLog(hold=False)  # the zygote's own output (import warnings...) goes to the agent log
         self._pumps = start_pumps(self.proc.stdout, self.proc.stderr, self.output)  # type: ignore[arg-type]
         self._lock = threading.Lock()  # one fork request at a time
         self._cond = threading.Condition()
@@ -262,6 +262,14 @@ def _prestart_mode(argv: list[str]) -> str | None:
     return None
 
 
+def _env_flag(name: str) -> bool:
+    """A PET_* flag as torchrun's parser reads it (a non-zero integer)."""
+    try:
+        return bool(int(os.environ.get(name, "0")))
+    except ValueError:
+        return False
+
+
 def start_early(argv: list[str]) -> None:
     """Start the zygote as the first thing `trainguard run` does, from its raw arguments: the
     agent's own imports (torch elastic's launcher, trainguard's monitors) take seconds, and the
@@ -273,6 +281,8 @@ def start_early(argv: list[str]) -> None:
     if sys.platform != "linux" or _early is not None:
         return
     if any(a in ("-h", "--help", "--no-python", "--no_python") for a in argv):
+        return
+    if _env_flag("PET_NO_PYTHON"):  # torchrun's environment form of --no-python
         return
     if _prestart_mode(argv) not in (None, "on"):
         return
