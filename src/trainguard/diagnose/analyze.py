@@ -563,7 +563,8 @@ def _live_stopped(result: dict[str, Any], ctx: Context, rules: RuleSet) -> None:
 def _offline_end(result: dict[str, Any], ctx: Context, rules: RuleSet) -> Ending:
     end = log_ending(ctx.scans)
     if end.hang:
-        where = "the stack dump shows where" if end.kind == "stack_dump" else "before its first training step"
+        where = {"stack_dump": "the stack dump shows where", "stalled_at_start": "before its first training step",
+                 "zero_steps": "before its first training step"}.get(end.kind, "after its last logged progress")
         _hang_at(result, rules, "medium", f"{end.why}: the job hung ({where})")
         result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
         result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]

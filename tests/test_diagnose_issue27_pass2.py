@@ -1,0 +1,65 @@
+"""Issue 27, second pass: general shapes that hold across frameworks (a later look at a silent
+log, a watcher that sees nothing change), each with the healthy twin that must stay healthy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainguard.diagnose import diagnose_paths
+
+
+def diag(tmp_path: Path, files: dict[str, str]) -> dict:
+    paths = []
+    for name, text in files.items():
+        p = tmp_path / name
+        p.write_text(text.lstrip("\n"), encoding="utf-8")
+        paths.append(p)
+    return diagnose_paths(paths)
+
+
+TIMED = "\n".join(f"2026-03-02 10:{i:02d}:10 | epoch 3 | iter {i * 100}/5000 | loss {2.5 - i * 0.01:.3f} | 0.61 s/it"
+                  for i in range(1, 20))  # fmt: skip
+UNTIMED_BAR = "\n".join(f" {i}%|##        | {i * 10}/1000 [01:{i:02d}<10:00,  1.50it/s]" for i in range(1, 30))
+
+
+def test_a_date_printed_hours_after_the_last_logged_line_is_a_hang(tmp_path):
+    r = diag(tmp_path, {"train.log": TIMED + "\n$ date\nMon Mar  2 16:40:00 UTC 2026\n"})
+    assert r["category"] == "hang_no_error", r["summary"]
+    assert "later look" in r["summary"] and "Mon Mar  2 16:40:00" in r["first_failure"]["line"]
+
+
+def test_a_date_minutes_after_the_last_line_is_not_a_hang(tmp_path):
+    r = diag(tmp_path, {"train.log": TIMED + "\nMon Mar  2 10:21:00 UTC 2026\n"})
+    assert r["category"] == "healthy", r["summary"]
+
+
+def test_a_date_after_many_untimed_progress_lines_proves_nothing(tmp_path):
+    # `date` before and after a run whose progress bar has no timestamps: the run took hours, no stall
+    text = "Mon Mar  2 10:00:00 UTC 2026\n" + UNTIMED_BAR + "\nMon Mar  2 14:00:00 UTC 2026\n"
+    r = diag(tmp_path, {"train.log": text})
+    assert r["category"] == "healthy", r["summary"]
+
+
+def test_a_later_check_in_its_own_file_quoting_the_logs_last_line_is_a_hang(tmp_path):
+    log = "[2026-03-02 09:00:00,100] [INFO] [train.py:10] [RANK:0] starting\n" + UNTIMED_BAR.splitlines()[0] + "\n"
+    check = ("$ date; nvidia-smi --query-gpu=utilization.gpu --format=csv\nMon Mar  2 12:05:00 UTC 2026\n100 %\n"
+             "$ tail -1 train.log\n" + UNTIMED_BAR.splitlines()[0] + "\n")  # fmt: skip
+    r = diag(tmp_path, {"train.log": log, "check.txt": check})
+    assert r["category"] == "hang_no_error", r["summary"]
+
+
+def test_a_month_day_year_stamp_places_the_last_line_in_time(tmp_path):
+    log = "[06/06/23 10:02:16] INFO     engine - INFO: Engine is built\n"
+    r = diag(tmp_path, {"train.log": log, "ps.txt": "$ date\nTue Jun  6 13:40:52 CST 2023\n"})
+    assert r["category"] == "hang_no_error", r["summary"]
+
+
+def test_a_watcher_saying_the_log_is_unchanged_is_a_hang(tmp_path):
+    last = UNTIMED_BAR.splitlines()[-1]
+    watch = "".join(f"[watch 2026-03-02 1{h}:00:00] train.log unchanged for {h * 3600} s; last line: {last}\n"
+                    for h in range(1, 4))  # fmt: skip
+    r = diag(tmp_path, {"train.log": UNTIMED_BAR, "watch.txt": watch})
+    assert r["category"] == "hang_no_error", r["summary"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    assert diag(alone, {"train.log": UNTIMED_BAR})["category"] == "healthy"
