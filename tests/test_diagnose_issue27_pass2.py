@@ -63,3 +63,27 @@ def test_a_watcher_saying_the_log_is_unchanged_is_a_hang(tmp_path):
     alone = tmp_path / "alone"
     alone.mkdir()
     assert diag(alone, {"train.log": UNTIMED_BAR})["category"] == "healthy"
+
+
+def _oom(rank: int) -> str:
+    return (f"[rank{rank}]: Traceback (most recent call last):\n[rank{rank}]:   File \"train.py\", line 88, in step\n"
+            f"[rank{rank}]:     loss.backward()\n[rank{rank}]: torch.OutOfMemoryError: CUDA out of memory. "
+            f"Tried to allocate 3.91 GiB. GPU {rank} has a total capacity of 79.11 GiB of which 1.2 GiB is free.\n")  # fmt: skip
+
+
+def test_untimed_same_failure_on_several_ranks_the_first_logged_rank_failed_first(tmp_path):
+    r = diag(tmp_path, {"train.log": _oom(3) + _oom(6) + _oom(0)})
+    assert r["category"] == "cuda_oom" and r["first_failure"]["rank"] == 3, r["summary"]
+
+
+def test_ranks_the_launcher_killed_after_another_ranks_exit_are_not_the_first_failure(tmp_path):
+    log = ("Epoch: [8]  [ 500/1251]  eta: 0:10:32  lr: 0.000146  loss: 5.0491 (5.0500)  time: 0.690\n"
+           "srun: error: node-a: task 5: Exited with exit code 1\n"
+           "srun: launch/slurm: _step_signal: Terminating StepId=111.0\n"
+           "srun: error: node-a: tasks 0,2,3: Killed\nsrun: error: node-b: tasks 8-15: Killed\n")  # fmt: skip
+    r = diag(tmp_path, {"train.log": log})
+    assert r["first_failure"]["rank"] == 5 and r["category"] == "exit_nonzero", r["summary"]
+    # a kill reported on its own stays a kill
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    assert diag(alone, {"train.log": "srun: error: node-a: tasks 0,2,3: Killed\n"})["category"] == "killed_external"

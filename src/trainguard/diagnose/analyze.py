@@ -448,6 +448,38 @@ def recovered(inc: Incident, ctx: Context) -> bool:
     return len(after) >= RECOVERED_STEPS and not exits
 
 
+def _logged_first(first: Incident, rivals: list[Incident]) -> Incident:
+    """Untimed, the same failure on several ranks in one file (interleaved output of one launcher):
+    the rank whose line was logged first failed first, not the lowest rank number."""
+    if first.start is not None or first.failure_time is not None or first.key[0] != "rank":
+        return first
+    b = first.best
+    same = [i for i in rivals if i.key[0] == "rank" and i.start is None and i.failure_time is None
+            and i.root == first.root and i.best.rule.category == b.rule.category and i.best.file == b.file
+            and not i.best.synthetic and not i.best.table and i.best.offset is not None]  # fmt: skip
+    return min(same, key=lambda i: i.best.offset or 0) if first in same and len(same) > 1 else first
+
+
+def _exit_report(i: Incident, file: str) -> Hit | None:
+    """The incident's launcher exit report (an untimed log line) in ``file``, if any."""
+    return next((h for h in i.hits if "exit" in h.rule.tags and h.file == file and h.time is None
+                 and not h.synthetic and not h.table and h.offset is not None), None)  # fmt: skip
+
+
+def _killed_after(first: Incident, live: list[Incident]) -> Incident:
+    """A launcher reports exits in the order it sees them and then kills the rest (srun's
+    "Terminating StepId", mpirun's abort, torchrun's closing signals): a rank reported killed after
+    another rank's exit in the same report was killed by the launcher; that other rank came first."""
+    if first.best.rule.category != "killed_external" or first.key[0] != "rank":
+        return first
+    mine = _exit_report(first, first.best.file)
+    if mine is None:
+        return first
+    earlier = [(h, i) for i in live if i.key[0] == "rank" and i.key != first.key
+               for h in [_exit_report(i, mine.file)] if h is not None and (h.offset or 0) < (mine.offset or 0)]  # fmt: skip
+    return min(earlier, key=lambda x: x[0].offset or 0)[1] if earlier else first
+
+
 def first_incident(ctx: Context) -> Incident | None:
     survived = [i for i in ctx.incs if recovered(i, ctx)]
     ctx.recovered = survived
@@ -455,6 +487,8 @@ def first_incident(ctx: Context) -> Incident | None:
     causes = sorted((i for i in live if i.best.rule.role == "cause"), key=_order)
     symptoms = sorted((i for i in live if i.best.rule.role != "cause"), key=_order)
     first = causes[0] if causes else (symptoms[0] if symptoms else None)
+    if first is not None:
+        first = _killed_after(_logged_first(first, causes if causes else symptoms), live)
     if first is not None and first.best.rule.category == "nccl_timeout":
         odd = odd_rank(ctx.hits)
         alt = next((i for i in causes + symptoms if i.key == ("rank", odd) and i.best.rule.category == "nccl_timeout"), None)
