@@ -87,3 +87,32 @@ def test_ranks_the_launcher_killed_after_another_ranks_exit_are_not_the_first_fa
     alone = tmp_path / "alone"
     alone.mkdir()
     assert diag(alone, {"train.log": "srun: error: node-a: tasks 0,2,3: Killed\n"})["category"] == "killed_external"
+
+
+STEPS = "\n".join(f"[2024-04-19 21:{i:02d}:10] INFO  training | step {i * 100:5d}/20000 loss {2.5 - i * 0.01:.4f}"
+                  for i in range(1, 22))  # fmt: skip
+LIMIT = "slurmstepd: error: *** JOB 77 ON gpu-a-1 CANCELLED AT {} DUE TO TIME LIMIT ***\n"
+
+
+def test_a_time_limit_cancel_long_after_the_last_progress_is_a_hang(tmp_path):
+    r = diag(tmp_path, {"slurm-77.out": STEPS + "\n" + LIMIT.format("2024-04-20T09:09:37")})
+    assert r["category"] == "hang_no_error", r["summary"]
+    assert "11.8 h" in r["summary"]
+    assert any(h["category"] == "killed_external" for h in r["hypotheses"][1:])
+
+
+def test_a_time_limit_cancel_right_after_progress_is_a_stop_from_outside(tmp_path):
+    r = diag(tmp_path, {"slurm-77.out": STEPS + "\n" + LIMIT.format("2024-04-19T21:22:00")})
+    assert r["category"] == "killed_external", r["summary"]
+
+
+def test_a_log_whose_last_line_comes_hours_after_silence_is_a_hang(tmp_path):
+    r = diag(tmp_path, {"train.log": STEPS + "\n[2024-04-20 02:00:00] WARNING heartbeat: worker 3 alive\n"})
+    assert r["category"] == "hang_no_error", r["summary"]
+
+
+def test_hourly_epoch_lines_are_the_logs_cadence_not_a_silence(tmp_path):
+    text = "".join(f"[2024-04-19 {h:02d}:00:00] INFO epoch {h} done, val loss {2.0 - h * 0.01:.3f}\n"
+                   f"[2024-04-19 {h:02d}:00:05] INFO saved checkpoint epoch_{h}.pt\n" for h in range(1, 12))  # fmt: skip
+    r = diag(tmp_path, {"train.log": text + "[2024-04-19 12:30:00] INFO saved final checkpoint\n"})
+    assert r["category"] == "healthy", r["summary"]

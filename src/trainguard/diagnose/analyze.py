@@ -29,6 +29,7 @@ from typing import Any
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, detect
 from trainguard.diagnose.ending import Ending, log_ending, oom_likely
 from trainguard.diagnose.lines import iso
+from trainguard.diagnose.lookback import silent_before
 from trainguard.diagnose.progress import stopped
 from trainguard.diagnose.rules import RuleSet
 from trainguard.diagnose.scan import Hit, Progress, SourceScan
@@ -631,6 +632,22 @@ def _offline_kill(result: dict[str, Any], first: Incident, ctx: Context, rules: 
 _LOWER = {"high": "medium", "medium": "low", "low": "low"}
 
 
+def _offline_idle_stop(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet) -> bool:
+    """Offline, a stop from outside (a scheduler's time limit, a kill) that came after a long
+    silence in the same log: the job had hung, and the stop only ended it."""
+    best = first.best
+    if result["category"] != "killed_external" or best.synthetic:
+        return False
+    late = silent_before([s.clock for s in ctx.scans if str(s.source.path) == best.file], best.time, best.line)
+    if late is None:
+        return False
+    hours = (late.time - late.before) / 3600
+    _hang_at(result, rules, "medium", f"nothing was logged for {hours:.1f} h before the job was stopped from outside "
+             f"({best.line.strip()[:120]}): the job hung, and the stop ended it")  # fmt: skip
+    result["first_failure"]["rule"] = "ending.silent_before_stop"
+    return True
+
+
 def _hypo(category: str, confidence: str, summary: str, evidence: list[Any], rank: int | None = None) -> dict[str, Any]:
     lines = [e.get("line") if isinstance(e, dict) else str(e) for e in evidence]
     return {"category": category, "confidence": confidence, "summary": summary, "rank": rank,
@@ -648,6 +665,9 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
     elif ff.get("rule") == "dataloader.worker_killed":
         out.append(_hypo("host_oom", "low", "the kernel's OOM killer is the usual sender of that signal (confirm with "
                          "dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
+    elif ff.get("rule") == "ending.silent_before_stop":
+        out.append(_hypo("killed_external", "low", "stopped from outside while it was still working (only the "
+                         "silence before the stop says it was not)", [ff], ff.get("rank")))  # fmt: skip
     elif result["category"] == "killed_external":
         out.append(_hypo("host_oom", "low", "host RAM OOM is possible: these logs have no kernel line to tell "
                          "(confirm or rule out with dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
@@ -704,6 +724,8 @@ def analyze(
     if first is not None:
         _failure(result, first, ctx, rules, has_failures)
         oom_guess = not live and _offline_kill(result, first, ctx, rules)
+        if not live and not oom_guess:
+            _offline_idle_stop(result, first, ctx, rules)
     else:
         end = _no_failure(result, ctx, rules, live or has_failures)
     result["hypotheses"] = hypotheses(result, first, ctx, rules, end, oom_guess)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainguard.diagnose.lookback import stalled
+from trainguard.diagnose.lookback import silent_end, stalled
 from trainguard.diagnose.progress import DATA_BAR
 from trainguard.diagnose.scan import SourceScan
 
@@ -87,6 +87,11 @@ def log_ending(scans: list[SourceScan]) -> Ending:
         owner, look, gap = later
         return _at("looked_later", f"a later look ({look.line.strip()}) came {gap / 3600:.1f} h after the last "
                    "logged line with no progress logged between", owner, look.line)  # type: ignore[arg-type]  # fmt: skip
+    quiet = silent_end([(s.clock, s) for s in scans])
+    if quiet is not None:
+        owner, late = quiet
+        return _at("looked_later", f"the log's last timestamped line came {(late.time - late.before) / 3600:.1f} h "
+                   "after the one before it, with no progress logged between", owner, late.line)  # type: ignore[arg-type]  # fmt: skip
     stepped = [s for s in scans if _stepped(s)]
     if not stepped:
         start = next((s for s in scans if "startup" in s.marks), None)

@@ -14,10 +14,11 @@ on for an unknown time), and the last whole-line ``date`` output (the look).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 STALL_GAP_S = 30 * 60.0  # a look this long after the last logged line, nothing logged between: a stall
+CADENCE_FACTOR = 3.0  # a silence must be this many times the longest earlier pause between timestamped lines
 MAX_PROGRESS_AFTER = 2  # untimed progress lines allowed between the last timestamp and the look
 
 # `date`'s default output on a line of its own: "Sat Aug 26 16:05:12 UTC 2023"
@@ -61,6 +62,16 @@ class Look:
 
 
 @dataclass
+class Late:
+    """The file's last timestamped line, logged long after the one before it with (almost) no
+    progress between: time passed in silence before it."""
+
+    before: float  # the time of the line before the silence
+    time: float
+    line: str
+
+
+@dataclass
 class Clock:
     last_time: float | None = None  # the last timestamped line that is not a look
     progress_after: int = 0  # progress lines after it
@@ -68,6 +79,8 @@ class Clock:
     progress_after_look: bool = False
     last_progress: str = ""  # the last progress line, as logged
     quoted: str = ""  # the last progress line after the look (a `tail` of the log quotes its last line)
+    late: Late | None = None  # set while the last timestamped line came after a long silence
+    _gaps: list[float] = field(default_factory=list)  # recent intervals between timestamped lines
 
     def feed(self, at: int, raw: str, time: float | None, progress: bool) -> None:
         t = date_output(raw)
@@ -77,17 +90,42 @@ class Clock:
         if time is None:
             time = us_stamp(raw)
         if time is not None:
+            self._silence(raw, time, progress)
             self.last_time, self.progress_after = time, 0
         if progress:
+            self.late = None
             self.progress_after += 1
             self.last_progress = raw.strip()
             if self.look is not None:
                 self.progress_after_look, self.quoted = True, raw.strip()
 
+    def _silence(self, raw: str, time: float, progress: bool) -> None:
+        if self.last_time is None:
+            return
+        gap = time - self.last_time
+        longest = max(self._gaps, default=0.0)
+        quiet = self.progress_after <= MAX_PROGRESS_AFTER and not progress
+        # long in absolute terms and against the log's own cadence: several times any pause it
+        # had before (hourly epoch lines, a long evaluation are no stall)
+        if quiet and gap >= max(STALL_GAP_S, CADENCE_FACTOR * longest):
+            self.late = Late(self.last_time, time, raw)  # kept until progress resumes (feed)
+        if gap >= 0:
+            self._gaps = (self._gaps + [gap])[-64:]
+
 
 def _quotes(c: Clock, clocks: list[Clock]) -> bool:
     """The progress after the look only repeats another file's last progress line (`tail` output)."""
     return any(o is not c and o.last_progress == c.quoted for o in clocks)
+
+
+def silent_before(clocks: list[Clock], time: float | None, line: str) -> Late | None:
+    """The long silence that ended with this line (a kill, a scheduler's cancel), if any."""
+    return next((c.late for c in clocks if c.late is not None and (c.late.time == time or c.late.line == line)), None)
+
+
+def silent_end(clocks: list[tuple[Clock, object]]) -> tuple[object, Late] | None:
+    """A log whose last timestamped line (no progress after it) came after a long silence."""
+    return next(((s, c.late) for c, s in clocks if c.late is not None), None)
 
 
 def stalled(clocks: list[tuple[Clock, object]]) -> tuple[object, Look, float] | None:
