@@ -116,3 +116,21 @@ def test_hourly_epoch_lines_are_the_logs_cadence_not_a_silence(tmp_path):
                    f"[2024-04-19 {h:02d}:00:05] INFO saved checkpoint epoch_{h}.pt\n" for h in range(1, 12))  # fmt: skip
     r = diag(tmp_path, {"train.log": text + "[2024-04-19 12:30:00] INFO saved final checkpoint\n"})
     assert r["category"] == "healthy", r["summary"]
+
+
+WATCHDOG = ("[E ProcessGroupNCCL.cpp:458] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=96120, "
+            "OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1800813 milliseconds before timing out.\n"
+            "[E ProcessGroupNCCL.cpp:478] To avoid data inconsistency, we are taking the entire process down.\n"
+            "terminate called after throwing an instance of 'std::runtime_error'\n"
+            "  what():  [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=96120, OpType=ALLREDUCE, "
+            "Timeout(ms)=1800000) ran for 1800813 milliseconds before timing out.\n")  # fmt: skip
+
+
+def test_an_abort_names_its_reason_the_watchdog_timeout_not_a_native_crash(tmp_path):
+    r = diag(tmp_path, {"slurm-1.out": WATCHDOG + "srun: error: dgx-014: tasks 0,3: Aborted (core dumped)\n"})
+    assert r["category"] == "nccl_timeout", r["summary"]
+
+
+def test_a_segfault_next_to_an_abort_reason_stays_a_native_crash(tmp_path):
+    r = diag(tmp_path, {"slurm-1.out": WATCHDOG + "srun: error: dgx-014: task 0: Segmentation fault (core dumped)\n"})
+    assert r["category"] == "segfault", r["summary"]

@@ -58,8 +58,9 @@ class Incident:
     @property
     def best(self) -> Hit:
         # most specific; then a real log line over failure info; then the earliest
-        return max(self.hits, key=lambda h: (h.rule.priority, not h.synthetic,
-                                             -h.time if h.time is not None else float("-inf"), -h.order))  # fmt: skip
+        top = max(self.hits, key=lambda h: (h.rule.priority, not h.synthetic,
+                                            -h.time if h.time is not None else float("-inf"), -h.order))  # fmt: skip
+        return _why_aborted(top, self.hits) or top
 
     @property
     def failure_time(self) -> float | None:
@@ -69,6 +70,23 @@ class Incident:
     @property
     def root(self) -> bool:
         return any(h.root for h in self.hits)
+
+
+# An abort is how a process ends when C++ `terminate` runs or a watchdog takes it down on purpose;
+# a segfault (SIGSEGV, SIGBUS, SIGILL) is a crash of its own.
+_ABORT = re.compile(r"(?i)\baborted\b|SIGABRT|signal 6\b|core dumped|terminate called")
+_CRASH = re.compile(r"(?i)segmentation|SIGSEGV|SIGBUS|SIGILL|signal (?:11|7|4)\b|bus error|illegal instruction")
+_REASON = re.compile(r"what\(\):|taking the entire process down")
+
+
+def _why_aborted(top: Hit, hits: list[Hit]) -> Hit | None:
+    """The abort's own reason: when the process aborted (native category) and its log names the
+    error it aborted on (C++'s ``what():`` line, a watchdog taking the process down), that error is
+    the failure, in any framework: the abort is only how the process ended."""
+    if top.rule.category != "segfault" or not _ABORT.search(top.line) or _CRASH.search(top.line):
+        return None
+    why = [h for h in hits if h.rule.category != "segfault" and not h.synthetic and _REASON.search(h.line)]
+    return max(why, key=lambda h: (h.rule.priority, -h.order)) if why else None
 
 
 def hit_dict(h: Hit) -> dict[str, Any]:
