@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from trainguard.diagnose import diagnose_paths
 
 
@@ -133,4 +135,15 @@ def test_an_abort_names_its_reason_the_watchdog_timeout_not_a_native_crash(tmp_p
 
 def test_a_segfault_next_to_an_abort_reason_stays_a_native_crash(tmp_path):
     r = diag(tmp_path, {"slurm-1.out": WATCHDOG + "srun: error: dgx-014: task 0: Segmentation fault (core dumped)\n"})
+    assert r["category"] == "segfault", r["summary"]
+
+
+@pytest.mark.parametrize("line", [
+    "mpirun noticed that process rank 1 with PID 0 on node tw-1 exited on signal 4 (Illegal instruction: 4).",
+    "srun: error: node-1: task 1: Floating point exception",
+    "srun: error: node-1: task 1: Illegal instruction (core dumped)",
+    "ERROR: worker rank 1 exited with exit code 136",
+])
+def test_every_native_crash_signal_in_every_launchers_shape_is_a_native_crash(tmp_path, line):
+    r = diag(tmp_path, {"job.log": "[1,0]<stdout>:step 1 loss 2.3\n" + line + "\n"})
     assert r["category"] == "segfault", r["summary"]
