@@ -147,3 +147,12 @@ def test_a_segfault_next_to_an_abort_reason_stays_a_native_crash(tmp_path):
 def test_every_native_crash_signal_in_every_launchers_shape_is_a_native_crash(tmp_path, line):
     r = diag(tmp_path, {"job.log": "[1,0]<stdout>:step 1 loss 2.3\n" + line + "\n"})
     assert r["category"] == "segfault", r["summary"]
+
+
+def test_open_mpis_exit_report_names_the_first_failing_rank(tmp_path):
+    log = ("[1,0]<stdout>:Epoch 2 | train loss 0.0277\n[1,1]<stdout>:Epoch 2 | train loss 0.0276\n"
+           "mpirun detected that one or more processes exited with non-zero status, thus causing\n"
+           "the job to be terminated. The first process to do so was:\n\n  Process name: [[40213,1],1]\n"
+           "  Exit code:    1\n")  # fmt: skip
+    r = diag(tmp_path, {"horovodrun.log": log})
+    assert r["category"] == "exit_nonzero" and r["first_failure"]["rank"] == 1, r["summary"]
