@@ -156,3 +156,13 @@ def test_open_mpis_exit_report_names_the_first_failing_rank(tmp_path):
            "  Exit code:    1\n")  # fmt: skip
     r = diag(tmp_path, {"horovodrun.log": log})
     assert r["category"] == "exit_nonzero" and r["first_failure"]["rank"] == 1, r["summary"]
+
+
+def test_the_odd_op_type_wins_even_when_every_rank_moves_a_different_element_count(tmp_path):
+    def line(r: int) -> str:
+        op, n = ("ALLREDUCE", 32) if r == 5 else ("ALLTOALL_BASE", 1379328 + 4096 * r)
+        return (f"[rank{r}]:[E218 04:54:22.86849{r} ProcessGroupNCCL.cpp:616] [Rank {r}] Watchdog caught collective "
+                f"operation timeout: WorkNCCL(SeqNum=216, OpType={op}, NumelIn={n}, NumelOut=1572864, "
+                "Timeout(ms)=600000) ran for 600040 milliseconds before timing out.\n")  # fmt: skip
+    r = diag(tmp_path, {"job.log": "".join(line(i) for i in range(8))})
+    assert r["category"] == "nccl_timeout" and r["first_failure"]["rank"] == 5, r["summary"]

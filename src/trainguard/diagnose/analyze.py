@@ -382,9 +382,13 @@ def odd_rank(hits: list[Hit]) -> int | None:
         if m:
             ops.setdefault(int(m[1]), {})[h.rank] = (m[2], m[3])  # type: ignore[index]
     for by_rank in ops.values():
-        counts = Counter(by_rank.values()).most_common()
-        if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:
-            return next(r for r, op in by_rank.items() if op == counts[1][0])
+        # the op type first: element counts differ between ranks in uneven collectives (all-to-all)
+        for key in (lambda op: op[0], lambda op: op):
+            counts = Counter(key(op) for op in by_rank.values()).most_common()
+            if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:
+                return next(r for r, op in by_rank.items() if key(op) == counts[1][0])
+            if len(counts) > 1:
+                break
     return _behind(hits)
 
 
