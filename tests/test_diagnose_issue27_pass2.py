@@ -166,3 +166,12 @@ def test_the_odd_op_type_wins_even_when_every_rank_moves_a_different_element_cou
                 "Timeout(ms)=600000) ran for 600040 milliseconds before timing out.\n")  # fmt: skip
     r = diag(tmp_path, {"job.log": "".join(line(i) for i in range(8))})
     assert r["category"] == "nccl_timeout" and r["first_failure"]["rank"] == 5, r["summary"]
+
+
+def test_a_silent_rank_whose_last_line_comes_late_while_rank0_logs_steps_is_not_a_hang(tmp_path):
+    # ranks other than 0 are often silent while rank 0 reports the steps: no silence in the job
+    rank1 = "[2024-04-19 21:00:05] INFO rank 1 ready\n[2024-04-19 23:30:00] WARNING rank 1 destroying process group\n"
+    steps = "\n".join(f"[2024-04-19 {21 + i // 60}:{i % 60:02d}:10] INFO  training | step {i * 10}/20000 loss 2.1"
+                      for i in range(1, 150))  # fmt: skip
+    r = diag(tmp_path, {"rank1.log": rank1, "rank0.log": steps + "\n"})
+    assert r["category"] == "healthy", r["summary"]

@@ -660,7 +660,8 @@ def _offline_idle_stop(result: dict[str, Any], first: Incident, ctx: Context, ru
     best = first.best
     if result["category"] != "killed_external" or best.synthetic:
         return False
-    late = silent_before([s.clock for s in ctx.scans if str(s.source.path) == best.file], best.time, best.line)
+    late = silent_before([s.clock for s in ctx.scans if str(s.source.path) == best.file],
+                         [s.clock for s in ctx.scans], best.time, best.line)  # fmt: skip
     if late is None:
         return False
     hours = (late.time - late.before) / 3600

@@ -80,6 +80,7 @@ class Clock:
     last_progress: str = ""  # the last progress line, as logged
     quoted: str = ""  # the last progress line after the look (a `tail` of the log quotes its last line)
     late: Late | None = None  # set while the last timestamped line came after a long silence
+    progress_time: float | None = None  # the time of the last progress line (its own, or the last one before it)
     _gaps: list[float] = field(default_factory=list)  # recent intervals between timestamped lines
 
     def feed(self, at: int, raw: str, time: float | None, progress: bool) -> None:
@@ -94,6 +95,7 @@ class Clock:
             self.last_time, self.progress_after = time, 0
         if progress:
             self.late = None
+            self.progress_time = time if time is not None else self.last_time
             self.progress_after += 1
             self.last_progress = raw.strip()
             if self.look is not None:
@@ -118,14 +120,24 @@ def _quotes(c: Clock, clocks: list[Clock]) -> bool:
     return any(o is not c and o.last_progress == c.quoted for o in clocks)
 
 
-def silent_before(clocks: list[Clock], time: float | None, line: str) -> Late | None:
-    """The long silence that ended with this line (a kill, a scheduler's cancel), if any."""
-    return next((c.late for c in clocks if c.late is not None and (c.late.time == time or c.late.line == line)), None)
+def _everywhere(late: Late, clocks: list[Clock]) -> bool:
+    """The silence holds in every log: no file logged progress during it (on other nodes, ranks
+    other than 0 are often silent while rank 0 reports the steps)."""
+    return not any(c.progress_time is not None and late.before < c.progress_time < late.time for c in clocks)
+
+
+def silent_before(clocks: list[Clock], everyone: list[Clock], time: float | None, line: str) -> Late | None:
+    """The long silence (in ``clocks``, and no progress in ``everyone``) that ended with this line
+    (a kill, a scheduler's cancel), if any."""
+    return next((c.late for c in clocks if c.late is not None and (c.late.time == time or c.late.line == line)
+                 and _everywhere(c.late, everyone)), None)  # fmt: skip
 
 
 def silent_end(clocks: list[tuple[Clock, object]]) -> tuple[object, Late] | None:
-    """A log whose last timestamped line (no progress after it) came after a long silence."""
-    return next(((s, c.late) for c, s in clocks if c.late is not None), None)
+    """A log whose last timestamped line (no progress after it) came after a long silence that
+    holds in every log."""
+    every = [c for c, _ in clocks]
+    return next(((s, c.late) for c, s in clocks if c.late is not None and _everywhere(c.late, every)), None)
 
 
 def stalled(clocks: list[tuple[Clock, object]]) -> tuple[object, Look, float] | None:
