@@ -175,3 +175,10 @@ def test_a_silent_rank_whose_last_line_comes_late_while_rank0_logs_steps_is_not_
                       for i in range(1, 150))  # fmt: skip
     r = diag(tmp_path, {"rank1.log": rank1, "rank0.log": steps + "\n"})
     assert r["category"] == "healthy", r["summary"]
+
+
+def test_a_later_look_after_the_planned_last_step_is_not_a_hang(tmp_path):
+    done = "\n".join(f" [2026-03-02 10:{i:02d}:10] iteration        {i}/      19 | lm loss: {2.5 - i * 0.01:.4E} |"
+                     for i in range(1, 20))  # fmt: skip
+    r = diag(tmp_path, {"train.log": done + "\n$ date\nMon Mar  2 16:40:00 UTC 2026\n"})
+    assert r["category"] == "healthy", r["summary"]

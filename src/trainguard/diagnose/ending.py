@@ -82,12 +82,14 @@ def log_ending(scans: list[SourceScan]) -> Ending:
     if stall is not None:
         return _at("stall", "the log ends on a stall warning (ranks waiting for the others, or a watcher seeing no change) with no progress after it",
                    stall, stall.marks["stall"][1], "stall")  # fmt: skip
-    later = stalled([(s.clock, s) for s in scans])
+    # a run whose counter reached its total had done its work: time after it is no stall
+    finished = any(s.last_step is not None and s.last_step.total and s.last_step.n == s.last_step.total for s in scans)
+    later = None if finished else stalled([(s.clock, s) for s in scans])
     if later is not None:
         owner, look, gap = later
         return _at("looked_later", f"a later look ({look.line.strip()}) came {gap / 3600:.1f} h after the last "
                    "logged line with no progress logged between", owner, look.line)  # type: ignore[arg-type]  # fmt: skip
-    quiet = silent_end([(s.clock, s) for s in scans])
+    quiet = None if finished else silent_end([(s.clock, s) for s in scans])
     if quiet is not None:
         owner, late = quiet
         return _at("looked_later", f"the log's last timestamped line came {(late.time - late.before) / 3600:.1f} h "
