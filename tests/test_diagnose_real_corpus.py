@@ -2,9 +2,10 @@
 
 Each case is a log written in the format of a public report (SOURCE names it and its framework
 family). The floors sit just under what bench/diagnose_accuracy.py measured when they were set
-(issue 27: 198 cases, category 99.5 %, first rank 98.4 %, first host 97.2 %; leave-one-framework-out
-category 93.4 %; no healthy log called a failure, 1 of 21 hangs called healthy). The frozen split (tests/corpus/frozen/) is
-scored by the bench on its own line and deliberately has no floor here: it is scored once, not tuned."""
+(issue 27, second pass: 272 cases, the burned frozen split 1 included; category 98.5 %, first rank
+95.4 %, first host 94.9 %; leave-one-framework-out category 94.1 %; no healthy log called a failure,
+1 of 36 hangs called healthy). The frozen split (tests/corpus/frozen2/) is scored by the bench on
+its own line and deliberately has no floor here: it is scored once, not tuned."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ CASES = acc.load_cases()
 ENGINES = ["re"] + (["hyperscan"] if _hs is not None else [])
 FAMILIES = set("megatron deepspeed nemo hf llamafactory swift axolotl torchtitan torchtune lightning fairseq "
                "colossalai rl horovod slurm torchrun".split())  # fmt: skip
-CATEGORY_FLOOR = 0.985
+CATEGORY_FLOOR = 0.98
 RANK_FLOOR = 0.95
 HOST_FLOOR = 0.94
-LOFO_FLOOR = 0.92  # leave-one-framework-out: rules fitted to one family do not count on it
+LOFO_FLOOR = 0.935  # leave-one-framework-out: rules fitted to one family do not count on it
 
 
 def test_the_corpus_is_large_labelled_and_covers_every_category_and_family():
-    assert len(CASES) >= 180
+    assert len(CASES) >= 270
     for c in CASES:
         assert c.label["url"].startswith("https://"), c.name
         assert c.label.get("project") and c.label.get("key") or c.category in ("healthy",), c.name

@@ -29,6 +29,7 @@ from typing import Any
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, detect
 from trainguard.diagnose.ending import Ending, log_ending, oom_likely
 from trainguard.diagnose.lines import iso
+from trainguard.diagnose.lookback import silent_before
 from trainguard.diagnose.progress import stopped
 from trainguard.diagnose.rules import RuleSet
 from trainguard.diagnose.scan import Hit, Progress, SourceScan
@@ -57,8 +58,9 @@ class Incident:
     @property
     def best(self) -> Hit:
         # most specific; then a real log line over failure info; then the earliest
-        return max(self.hits, key=lambda h: (h.rule.priority, not h.synthetic,
-                                             -h.time if h.time is not None else float("-inf"), -h.order))  # fmt: skip
+        top = max(self.hits, key=lambda h: (h.rule.priority, not h.synthetic,
+                                            -h.time if h.time is not None else float("-inf"), -h.order))  # fmt: skip
+        return _why_aborted(top, self.hits) or top
 
     @property
     def failure_time(self) -> float | None:
@@ -68,6 +70,23 @@ class Incident:
     @property
     def root(self) -> bool:
         return any(h.root for h in self.hits)
+
+
+# An abort is how a process ends when C++ `terminate` runs or a watchdog takes it down on purpose;
+# a segfault (SIGSEGV, SIGBUS, SIGILL) is a crash of its own.
+_ABORT = re.compile(r"(?i)\baborted\b|SIGABRT|signal 6\b|core dumped|terminate called")
+_CRASH = re.compile(r"(?i)segmentation|SIGSEGV|SIGBUS|SIGILL|signal (?:11|7|4)\b|bus error|illegal instruction")
+_REASON = re.compile(r"what\(\):|taking the entire process down")
+
+
+def _why_aborted(top: Hit, hits: list[Hit]) -> Hit | None:
+    """The abort's own reason: when the process aborted (native category) and its log names the
+    error it aborted on (C++'s ``what():`` line, a watchdog taking the process down), that error is
+    the failure, in any framework: the abort is only how the process ended."""
+    if top.rule.category != "segfault" or not _ABORT.search(top.line) or _CRASH.search(top.line):
+        return None
+    why = [h for h in hits if h.rule.category != "segfault" and not h.synthetic and _REASON.search(h.line)]
+    return max(why, key=lambda h: (h.rule.priority, -h.order)) if why else None
 
 
 def hit_dict(h: Hit) -> dict[str, Any]:
@@ -363,9 +382,13 @@ def odd_rank(hits: list[Hit]) -> int | None:
         if m:
             ops.setdefault(int(m[1]), {})[h.rank] = (m[2], m[3])  # type: ignore[index]
     for by_rank in ops.values():
-        counts = Counter(by_rank.values()).most_common()
-        if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:
-            return next(r for r, op in by_rank.items() if op == counts[1][0])
+        # the op type first: element counts differ between ranks in uneven collectives (all-to-all)
+        for key in (lambda op: op[0], lambda op: op):
+            counts = Counter(key(op) for op in by_rank.values()).most_common()
+            if len(by_rank) >= 3 and len(counts) == 2 and counts[1][1] == 1:
+                return next(r for r, op in by_rank.items() if key(op) == counts[1][0])
+            if len(counts) > 1:
+                break
     return _behind(hits)
 
 
@@ -448,6 +471,38 @@ def recovered(inc: Incident, ctx: Context) -> bool:
     return len(after) >= RECOVERED_STEPS and not exits
 
 
+def _logged_first(first: Incident, rivals: list[Incident]) -> Incident:
+    """Untimed, the same failure on several ranks in one file (interleaved output of one launcher):
+    the rank whose line was logged first failed first, not the lowest rank number."""
+    if first.start is not None or first.failure_time is not None or first.key[0] != "rank":
+        return first
+    b = first.best
+    same = [i for i in rivals if i.key[0] == "rank" and i.start is None and i.failure_time is None
+            and i.root == first.root and i.best.rule.category == b.rule.category and i.best.file == b.file
+            and not i.best.synthetic and not i.best.table and i.best.offset is not None]  # fmt: skip
+    return min(same, key=lambda i: i.best.offset or 0) if first in same and len(same) > 1 else first
+
+
+def _exit_report(i: Incident, file: str) -> Hit | None:
+    """The incident's launcher exit report (an untimed log line) in ``file``, if any."""
+    return next((h for h in i.hits if "exit" in h.rule.tags and h.file == file and h.time is None
+                 and not h.synthetic and not h.table and h.offset is not None), None)  # fmt: skip
+
+
+def _killed_after(first: Incident, live: list[Incident]) -> Incident:
+    """A launcher reports exits in the order it sees them and then kills the rest (srun's
+    "Terminating StepId", mpirun's abort, torchrun's closing signals): a rank reported killed after
+    another rank's exit in the same report was killed by the launcher; that other rank came first."""
+    if first.best.rule.category != "killed_external" or first.key[0] != "rank":
+        return first
+    mine = _exit_report(first, first.best.file)
+    if mine is None:
+        return first
+    earlier = [(h, i) for i in live if i.key[0] == "rank" and i.key != first.key
+               for h in [_exit_report(i, mine.file)] if h is not None and (h.offset or 0) < (mine.offset or 0)]  # fmt: skip
+    return min(earlier, key=lambda x: x[0].offset or 0)[1] if earlier else first
+
+
 def first_incident(ctx: Context) -> Incident | None:
     survived = [i for i in ctx.incs if recovered(i, ctx)]
     ctx.recovered = survived
@@ -455,6 +510,8 @@ def first_incident(ctx: Context) -> Incident | None:
     causes = sorted((i for i in live if i.best.rule.role == "cause"), key=_order)
     symptoms = sorted((i for i in live if i.best.rule.role != "cause"), key=_order)
     first = causes[0] if causes else (symptoms[0] if symptoms else None)
+    if first is not None:
+        first = _killed_after(_logged_first(first, causes if causes else symptoms), live)
     if first is not None and first.best.rule.category == "nccl_timeout":
         odd = odd_rank(ctx.hits)
         alt = next((i for i in causes + symptoms if i.key == ("rank", odd) and i.best.rule.category == "nccl_timeout"), None)
@@ -563,7 +620,8 @@ def _live_stopped(result: dict[str, Any], ctx: Context, rules: RuleSet) -> None:
 def _offline_end(result: dict[str, Any], ctx: Context, rules: RuleSet) -> Ending:
     end = log_ending(ctx.scans)
     if end.hang:
-        where = "the stack dump shows where" if end.kind == "stack_dump" else "before its first training step"
+        where = {"stack_dump": "the stack dump shows where", "stalled_at_start": "before its first training step",
+                 "zero_steps": "before its first training step"}.get(end.kind, "after its last logged progress")
         _hang_at(result, rules, "medium", f"{end.why}: the job hung ({where})")
         result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
         result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
@@ -596,6 +654,23 @@ def _offline_kill(result: dict[str, Any], first: Incident, ctx: Context, rules: 
 _LOWER = {"high": "medium", "medium": "low", "low": "low"}
 
 
+def _offline_idle_stop(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet) -> bool:
+    """Offline, a stop from outside (a scheduler's time limit, a kill) that came after a long
+    silence in the same log: the job had hung, and the stop only ended it."""
+    best = first.best
+    if result["category"] != "killed_external" or best.synthetic:
+        return False
+    late = silent_before([s.clock for s in ctx.scans if str(s.source.path) == best.file],
+                         [s.clock for s in ctx.scans], best.time, best.line)  # fmt: skip
+    if late is None:
+        return False
+    hours = (late.time - late.before) / 3600
+    _hang_at(result, rules, "medium", f"nothing was logged for {hours:.1f} h before the job was stopped from outside "
+             f"({best.line.strip()[:120]}): the job hung, and the stop ended it")  # fmt: skip
+    result["first_failure"]["rule"] = "ending.silent_before_stop"
+    return True
+
+
 def _hypo(category: str, confidence: str, summary: str, evidence: list[Any], rank: int | None = None) -> dict[str, Any]:
     lines = [e.get("line") if isinstance(e, dict) else str(e) for e in evidence]
     return {"category": category, "confidence": confidence, "summary": summary, "rank": rank,
@@ -613,6 +688,9 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
     elif ff.get("rule") == "dataloader.worker_killed":
         out.append(_hypo("host_oom", "low", "the kernel's OOM killer is the usual sender of that signal (confirm with "
                          "dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
+    elif ff.get("rule") == "ending.silent_before_stop":
+        out.append(_hypo("killed_external", "low", "stopped from outside while it was still working (only the "
+                         "silence before the stop says it was not)", [ff], ff.get("rank")))  # fmt: skip
     elif result["category"] == "killed_external":
         out.append(_hypo("host_oom", "low", "host RAM OOM is possible: these logs have no kernel line to tell "
                          "(confirm or rule out with dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
@@ -669,6 +747,8 @@ def analyze(
     if first is not None:
         _failure(result, first, ctx, rules, has_failures)
         oom_guess = not live and _offline_kill(result, first, ctx, rules)
+        if not live and not oom_guess:
+            _offline_idle_stop(result, first, ctx, rules)
     else:
         end = _no_failure(result, ctx, rules, live or has_failures)
     result["hypotheses"] = hypotheses(result, first, ctx, rules, end, oom_guess)

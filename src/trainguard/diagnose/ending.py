@@ -2,6 +2,8 @@
 whether the job stopped (offline nothing says it did, or why).
 
 - A completion line: the run finished ("no failure found", high confidence).
+- A later look (``date`` printed next to the log) long after the last logged line, with no
+  progress between (lookback.py): time passed and the job logged nothing, a hang.
 - A stack dump of a live process (py-spy) in the logs: someone looked at a job that made no
   progress: a hang. So is a log that ends on a stall warning (Horovod: ranks waiting for the
   others) with no progress after it.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainguard.diagnose.lookback import silent_end, stalled
 from trainguard.diagnose.progress import DATA_BAR
 from trainguard.diagnose.scan import SourceScan
 
@@ -30,7 +33,7 @@ HIGH_RAM_PERCENT = 90.0  # a memory report at or above this share of host RAM is
 
 @dataclass(frozen=True)
 class Ending:
-    kind: str  # completed | stack_dump | stall | stalled_at_start | zero_steps | ended_on_progress | nothing
+    kind: str  # completed | stack_dump | stall | looked_later | stalled_at_start | zero_steps | ended_on_progress | nothing
     why: str
     line: str = ""  # the line that shows it
     file: str | None = None
@@ -40,7 +43,7 @@ class Ending:
 
     @property
     def hang(self) -> bool:
-        return self.kind in ("stack_dump", "stall", "stalled_at_start", "zero_steps")
+        return self.kind in ("stack_dump", "stall", "looked_later", "stalled_at_start", "zero_steps")
 
 
 def _at(kind: str, why: str, s: SourceScan | None, line: str, tag: str = "") -> Ending:
@@ -73,11 +76,24 @@ def log_ending(scans: list[SourceScan]) -> Ending:
     if dump is not None:
         return _at("stack_dump", "a stack dump of the live processes is among the logs (taken because the job "
                    "made no progress) and no error was logged", dump, dump.marks["stackdump"][1], "stackdump")  # fmt: skip
-    stall = next((s for s in scans if "stall" in s.marks and s.marks["stall"][0] > max(
+    # >=: a watcher line may quote the last progress line it keeps seeing
+    stall = next((s for s in scans if "stall" in s.marks and s.marks["stall"][0] >= max(
         s.last_step_at if s.last_step_at is not None else -1, s.last_metric_at if s.last_metric_at is not None else -1)), None)
     if stall is not None:
-        return _at("stall", "the log ends on a stall warning (ranks waiting for the others) with no progress after it",
+        return _at("stall", "the log ends on a stall warning (ranks waiting for the others, or a watcher seeing no change) with no progress after it",
                    stall, stall.marks["stall"][1], "stall")  # fmt: skip
+    # a run whose counter reached its total had done its work: time after it is no stall
+    finished = any(s.last_step is not None and s.last_step.total and s.last_step.n == s.last_step.total for s in scans)
+    later = None if finished else stalled([(s.clock, s) for s in scans])
+    if later is not None:
+        owner, look, gap = later
+        return _at("looked_later", f"a later look ({look.line.strip()}) came {gap / 3600:.1f} h after the last "
+                   "logged line with no progress logged between", owner, look.line)  # type: ignore[arg-type]  # fmt: skip
+    quiet = None if finished else silent_end([(s.clock, s) for s in scans])
+    if quiet is not None:
+        owner, late = quiet
+        return _at("looked_later", f"the log's last timestamped line came {(late.time - late.before) / 3600:.1f} h "
+                   "after the one before it, with no progress logged between", owner, late.line)  # type: ignore[arg-type]  # fmt: skip
     stepped = [s for s in scans if _stepped(s)]
     if not stepped:
         start = next((s for s in scans if "startup" in s.marks), None)

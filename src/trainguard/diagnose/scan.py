@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from trainguard.diagnose.attribution import Attribution, Who
 from trainguard.diagnose.lines import _NCCL_HOST, LineInfo, parse_line, rank_in_text
+from trainguard.diagnose.lookback import Clock
 from trainguard.diagnose.nanwatch import NanWatch
 from trainguard.diagnose.prefilter import Prefilter
 from trainguard.diagnose.progress import DATA_BAR, Step, step_of
@@ -82,6 +83,7 @@ class SourceScan:
     last_metric_at: int | None = None  # ... of the last line reporting a loss/accuracy value (any format)
     progress_at: list[tuple[int, int | None]] = field(default_factory=list)  # (file offset, rank) of progress lines in the tail
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
+    clock: Clock = field(default_factory=Clock)  # the last logged time and a later look (lookback.py)
 
 
 def _decode(b: bytes) -> str:
@@ -306,6 +308,7 @@ class Scanner:
                 out.last_step, out.last_step_line, out.last_step_at = st, raw, at
                 out.styles.add(st.style)
             training = st is not None and st.n and not (st.style == "tqdm" and DATA_BAR.search(raw))
+            out.clock.feed(at, raw, info.time, bool(metric or training))
             if base is not None and (metric or training) and len(out.progress_at) < MAX_STEP_SAMPLES:
                 out.progress_at.append((base + m.start(), rank))
             watched = nan.feed(rank, msg)
