@@ -108,10 +108,11 @@ def trickle(args: argparse.Namespace) -> None:
     """Write a line into the FIFO at --path every --seconds/4 seconds, four times."""
     fd = os.open(args.path, os.O_RDWR)  # O_RDWR: no block on open while the reader is not there yet
     ready()
+    if args.stop_after >= 0:
+        time.sleep(args.stop_after)
+        stop_self()  # froze before writing anything: the reader's wait is dead from here
     for i in range(4):
         time.sleep(args.seconds / 4)
-        if args.stop_after >= 0 and i == 0:
-            stop_self()
         os.write(fd, f"tick {i}\n".encode())
     os.close(fd)
 
