@@ -148,6 +148,16 @@ def test_stall_a_sleep_past_the_detect_window_is_proof_a_shorter_one_is_not() ->
     assert sv.state == "detected" and sv.culprit == 1 and "--hang-detect-time" in sv.why
 
 
+def test_stall_a_lone_idle_rank_is_waited_for_when_ranks_on_other_nodes_wait() -> None:
+    views = {1: RankView(1, "S", user("backoff"))}  # node1's only rank; rank 0 (node0) waits in all_reduce
+    verdict = find_culprit(views, nnodes=2)
+    progress = {1: judge_progress(samples(1, [user("backoff")] * 6), CFG)}
+    long = {1: Wait("sleep", False, "a sleep (3590s left)", sleep_left=3590.0)}
+    assert decide_stall(verdict, progress, 8.0, limits(), long).state == "suspected"  # alone: nobody waits for it
+    sv = decide_stall(verdict, progress, 8.0, limits(), long, others_wait=True)
+    assert sv.state == "detected" and sv.culprit == 1
+
+
 def test_stall_all_ranks_idle_with_nobody_waiting_is_never_a_fast_verdict() -> None:
     views = {r: RankView(r, "S", user("sleep_epoch")) for r in (0, 1)}
     verdict, progress = judged(views, {r: [user("sleep_epoch")] * 6 for r in (0, 1)})

@@ -197,14 +197,15 @@ def _what(rank: int, verdict: CulpritVerdict, progress: Mapping[int, Progress],
 
 def decide_stall(
     verdict: CulpritVerdict, progress: Mapping[int, Progress], stall: float, limits: Limits,
-    waits: Mapping[int, Wait] | None = None,
+    waits: Mapping[int, Wait] | None = None, others_wait: bool = False,
 ) -> StallVerdict:  # fmt: skip
     """The verdict on a stall of ``stall`` seconds (already longer than ``limits.threshold``).
 
     ``waits``: what each blocked rank waits on (detect.waits, from the kernel). With it, a rank
     that stands still is a hang only on proof that its wait is dead; a wait on the outside world
     is a named suspicion until ``detect_time``. Without it (no kernel view) a rank idle while the
-    others wait for it is detected, as before issue 26."""
+    others wait for it is detected, as before issue 26. ``others_wait``: ranks on other nodes wait
+    in a collective (their latest shared stacks), so a local idle rank is waited for."""
     order = [r for r in _order(verdict) if r in progress]
     pos = verdict.positions
     if stall >= limits.detect_time:
@@ -240,7 +241,7 @@ def decide_stall(
         return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limit)
     if any(progress[r].kind in (UNKNOWN, STALLED) for r in order):
         return StallVerdict("watch", verdict.rank, "", "waiting for more samples", limit=limits.threshold)
-    return _nobody_progresses(order, verdict, progress, stall, limits, waits)
+    return _nobody_progresses(order, verdict, progress, stall, limits, waits, others_wait)
 
 
 def _proven(
@@ -265,13 +266,13 @@ def _proven(
 
 def _nobody_progresses(
     order: Sequence[int], verdict: CulpritVerdict, progress: Mapping[int, Progress], stall: float, limits: Limits,
-    waits: Mapping[int, Wait] | None,
+    waits: Mapping[int, Wait] | None, others_wait: bool = False,
 ) -> StallVerdict:  # fmt: skip
     """Every rank is idle or waits in a collective, and no wait is proven dead."""
     pos = verdict.positions
     waiting = [r for r in order if pos[r].waiting]
     idle = [r for r in order if not pos[r].waiting]
-    if verdict.rank is not None and waiting and verdict.rank in idle:
+    if verdict.rank is not None and (waiting or others_wait) and verdict.rank in idle:
         # The culprit stands still while the others wait for it.
         r = verdict.rank
         why = f"{verdict.reason} ({progress[r].describe()})"

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
+from trainguard.detect.culprit import CulpritVerdict, RankView, classify, find_culprit
 from trainguard.detect.hang import (
     Activity,
     Assessment,
@@ -363,7 +363,7 @@ class _Watch:
             stalled_for={r: now - t for r, t in self.d_since.items()},
         )
         self.waits = self._waits(verdict, pids)
-        sv = decide_stall(verdict, progress, a.stall, limits, self.waits)
+        sv = decide_stall(verdict, progress, a.stall, limits, self.waits, self._others_wait())
         self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
         if self.exchange is not None:
             self._share(verdict, progress)
@@ -387,6 +387,14 @@ class _Watch:
         if self._moved_on(a, pids):
             return None  # a step finished while we looked: slow, not hung
         return self._conclude(now, a, sv, verdict, progress)
+
+    def _others_wait(self) -> bool:
+        """Whether ranks on other nodes wait in a collective (their latest shared stacks, not
+        waited for): a rank idle here is then waited for, as when its peers were local."""
+        if self.exchange is None:
+            return False
+        others = self._others(0.0, declared=False)
+        return any(classify(v).waiting for nv in others.values() for v in nv.views.values())
 
     def _waits(self, verdict: CulpritVerdict, pids: dict[int, int]) -> dict[int, Wait]:
         """What every rank outside a collective waits on, from the kernel (probes.waits) and its
