@@ -426,8 +426,10 @@ def main() -> int:
             time.sleep(max(0.0, args.step_time_ms / 1000 - (time.perf_counter() - t0)))
             print(f"step={step} rank={rank} t={time.time():.6f}", flush=True)
 
-    # A directory both ranks know (one per job: the rendezvous port is the job's).
-    tmp = os.path.join(tempfile.gettempdir(), f"tg-waits-{os.environ['MASTER_PORT']}-{os.getppid()}")
+    # A directory both ranks know (one per job: the rendezvous port is the job's), in the run dir
+    # when there is one: a fault's job is killed before it could remove the directory itself.
+    base = os.environ.get("TRAINGUARD_RUN_DIR") or tempfile.gettempdir()
+    tmp = os.path.join(base, f"tg-waits-{os.environ['MASTER_PORT']}")
     os.makedirs(tmp, exist_ok=True)
     pattern = PATTERNS[args.pattern]
     ctx = Ctx(rank, args.wait_s, tmp, live=not pattern.healthy and attempt() == 0)
