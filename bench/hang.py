@@ -13,6 +13,14 @@ monitor driven as the agent drives it, step samples fed as the profiling monitor
 production settings (period 1 s, slack 5 s). The endless loop is only a suspicion within seconds
 and a detected hang at --hang-detect-time (here --loop-detect-time).
 
+Wait patterns (issue 26): tests/scripts/wait_patterns.py, long waits from real usage — healthy
+ones on the outside world (downloads at 40 KB/s from a local slow server, uploads, idle
+children, sleeps, files, locks, recompiles, FSDP2 accumulation, persistent DataLoader workers, a
+slow sync) and the same waits made dead (frozen server, stopped child, a recv never sent, a pipe
+only the rank itself can write, a lock it holds itself ...). The frozen third (PATTERNS[...].frozen,
+held out while the detector was tuned) is reported on its own line. ``--jobs`` runs patterns side
+by side.
+
 The peer is torchrun + gloo without trainguard: a hung collective only ends when the process
 group's timeout fires, *stated* from torch's default (default_pg_timeout), not waited for.
 
@@ -26,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +46,7 @@ from trainguard.detect.hang import percentile  # noqa: E402
 from trainguard.monitors.hang.monitor import HangConfig, HangMonitor  # noqa: E402
 
 HEALTHY = ROOT / "tests" / "scripts" / "healthy_phases.py"
+WAITS = ROOT / "tests" / "scripts" / "wait_patterns.py"
 FAULTS = {  # fault -> (world, culprit rank)
     "stop": (2, 1),
     "sleep": (2, 1),
@@ -103,20 +113,108 @@ def loop(cfg: HangConfig, step_ms: float) -> tuple[float | None, float | None, b
     return sus, det, a.decision is not None and a.decision.rank == 1
 
 
+@dataclass
+class WaitResult:
+    name: str
+    healthy: bool
+    frozen: bool
+    detected: int = 0  # hang_detected events
+    restarts: int = 0
+    suspected: int = 0
+    latency: float | None = None  # faults: fault line -> RESTART decision
+    p99: float = float("nan")
+    right: bool = False  # faults: the culprit named
+    finished: bool = False  # healthy: every rank printed done
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if self.healthy:
+            return self.detected == 0 and self.restarts == 0 and self.finished
+        return self.latency is not None and self.right and self.latency <= 10.0 + 3 * self.p99
+
+
+def wait_pattern(cfg: HangConfig, name: str, wait_s: float) -> WaitResult:
+    from wait_patterns import PATTERNS
+
+    pat = PATTERNS[name]
+    args = ["--pattern", name, "--wait-s", str(wait_s)]
+    with tempfile.TemporaryDirectory(prefix="tg-hang-bench-") as tmp:
+        attempts, detected = run_job(Path(tmp), HangMonitor(cfg), 2, args, deadline_s=wait_s + 240.0,
+                                     max_attempts=1, worker=WAITS)  # fmt: skip
+        kinds = [e.kind for e in hang_events(Path(tmp))]
+        notes = [e.message for e in hang_events(Path(tmp)) if e.kind != "hang_cleared"]
+    a = attempts[0]
+    res = WaitResult(name, pat.healthy, pat.frozen, len(detected), int(a.decision is not None),
+                     kinds.count("hang_suspected"), p99=p99_step(a), note=notes[0][:300] if notes else "")  # fmt: skip
+    res.finished = all(any(ln.startswith("done") for ln in out) for out in a.output.values())
+    at = a.fault_time()
+    if not pat.healthy and a.decision is not None and a.decided_at is not None and at is not None:
+        res.latency = a.decided_at - at
+        res.right = a.decision.rank == pat.culprit
+    return res
+
+
+def wait_matrix(cfg: HangConfig, wait_s: float, jobs: int, only: list[str]) -> list[WaitResult]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wait_patterns import PATTERNS
+
+    names = only or list(PATTERNS)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda n: wait_pattern(cfg, n, wait_s), names))
+    for r in results:
+        if r.healthy:
+            what = f"detected={r.detected} restarts={r.restarts} suspected={r.suspected} finished={r.finished}"
+        else:
+            lat = "NOT detected" if r.latency is None else f"detected in {r.latency:5.2f}s"
+            what = f"{lat} culprit {'right' if r.right else 'WRONG'} p99 step={r.p99 * 1000:.0f}ms"
+        tag = "frozen " if r.frozen else ""
+        print(f"  {'healthy' if r.healthy else 'fault':7s} {tag:7s}{r.name:22s} {what}  {'ok' if r.ok else 'FAIL'}")
+        if r.note:
+            print(f"      {r.note}")
+    return results
+
+
+def summary(results: list[WaitResult], frozen: bool) -> str:
+    rs = [r for r in results if r.frozen == frozen]
+    h = [r for r in rs if r.healthy]
+    f = [r for r in rs if not r.healthy]
+    lat = [r.latency for r in f if r.latency is not None]
+    return (f"{len(h)} healthy: hang_detected {sum(r.detected for r in h)}, restarts {sum(r.restarts for r in h)}, "
+            f"suspicions {sum(r.suspected for r in h)}, unfinished {sum(not r.finished for r in h)}; "
+            f"{len(f)} faults: {sum(r.ok for r in f)} detected in time with the right culprit"
+            + (f" (latency median {statistics.median(lat):.2f}s, max {max(lat):.2f}s)" if lat else ""))  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=1, help="runs of each fault case")
     p.add_argument("--step-time-ms", type=float, default=100.0)
     p.add_argument("--healthy-scale", type=float, default=1.0, help="scales the healthy phases' durations")
     p.add_argument("--loop-detect-time", type=float, default=60.0, help="--hang-detect-time (s) for the endless loop")
+    p.add_argument("--matrix", choices=["all", "waits", "classic"], default="all",
+                   help="waits: only the wait patterns (issue 26); classic: only the phases and faults of issue 11")
+    p.add_argument("--wait-s", type=float, default=40.0, help="how long each healthy wait pattern waits")
+    p.add_argument("--jobs", type=int, default=1, help="wait patterns run side by side")
+    p.add_argument("--only", default="", help="comma-separated wait patterns (default: all)")
     args = p.parse_args()
-    if args.runs < 1:
+    if args.runs < 1 or args.jobs < 1:
         p.error("--runs >= 1")
     from torch.distributed.constants import default_pg_timeout
 
     cfg = HangConfig()  # production: period 1 s, slack 5 s, factor 3, detect time 30 min
     print(f"hang bench: period={cfg.period:g}s slack={cfg.step_slack:g}s factor={cfg.step_factor:g} "
           f"window={cfg.window:g}s detect_time={cfg.detect_time:g}s")  # fmt: skip
+    ok = True
+    if args.matrix in ("all", "waits"):
+        print(f"wait patterns (production settings, waits of {args.wait_s:g}s, {args.jobs} side by side):")
+        results = wait_matrix(cfg, args.wait_s, args.jobs, [x for x in args.only.split(",") if x])
+        print(f"wait patterns, tuned split: {summary(results, frozen=False)}")
+        print(f"wait patterns, FROZEN split: {summary(results, frozen=True)}")
+        ok = all(r.ok for r in results)
+        if args.matrix == "waits":
+            return 0 if ok else 1
     print("healthy matrix (production settings):")
     fp, sus, phases = healthy(cfg, args.healthy_scale)
     print("fault matrix:")
@@ -142,7 +240,7 @@ def main() -> int:
               f"(goal <= 10s + 3 x p99 step = {goal:.2f}s: {'met' if max(latencies) <= goal else 'NOT met'})")
         print(f"torchrun + gloo: the hung collective fails after the process group timeout, {gloo:.0f}s "
               f"(stated, not waited for): {gloo / med:.0f}x later")  # fmt: skip
-    return 0 if fp == 0 and len(latencies) == len(FAULTS) * args.runs else 1
+    return 0 if ok and fp == 0 and len(latencies) == len(FAULTS) * args.runs else 1
 
 
 if __name__ == "__main__":

@@ -104,6 +104,9 @@ def _is_library(filename: str) -> bool:
     return any(m in f for m in _LIB_MARKERS) or "/torch/" in f or filename.startswith(_OWN_DIR)
 
 
+is_library = _is_library  # for detect.waits: the user's own code vs libraries, torch and trainguard
+
+
 def _site(frames: Sequence[FrameLike]) -> str:
     for fr in frames:
         if not _is_library(fr.filename):
@@ -221,6 +224,8 @@ def find_culprit(views: Mapping[int, RankView], nnodes: int = 1) -> CulpritVerdi
         reason = f"rank {first} {pos[first].describe()} while {_group_text(common, pos)}"
         if len(culprits) > 1:
             reason += f" (also odd: {_ranks(culprits[1:])})"
+    elif waiting and (p2p := _p2p_mismatch(waiting, pos)):
+        culprits, reason = p2p
     elif waiting:
         by_sig = Counter(pos[r].signature for r in waiting)
         (top, n_top), *rest = by_sig.most_common()
@@ -249,6 +254,25 @@ def find_culprit(views: Mapping[int, RankView], nnodes: int = 1) -> CulpritVerdi
             reason = "; ".join(_group_text([r for r in odd if pos[r].signature == sig], pos) for sig in by_sig)
             return _verdict(None, reason, pos, views, candidates=_order(odd, pos))
     return _verdict(culprits[0] if culprits else None, reason, pos, views, candidates=culprits)
+
+
+P2P_RECV = ("recv",)  # blocking point-to-point receives (c10d's public names)
+P2P_SEND = ("send", "isend", "batch_isend_irecv")
+
+
+def _p2p_mismatch(waiting: Sequence[int], pos: Mapping[int, Position]) -> tuple[list[int], str] | None:
+    """Ranks blocked in a point-to-point receive while no rank sends and the others wait in
+    another call: the receive can never be matched, its rank is the culprit (issue 26)."""
+    recv = [r for r in waiting if pos[r].kind == "collective" and pos[r].op in P2P_RECV]
+    if not recv or len(recv) == len(waiting) or any(pos[r].op in P2P_SEND for r in waiting):
+        return None
+    others = [r for r in waiting if r not in recv]
+    by_sig = Counter(pos[r].signature for r in others)
+    common = [r for r in others if pos[r].signature == by_sig.most_common(1)[0][0]]
+    first = _order(recv, pos)[0]
+    reason = (f"rank {first} {pos[first].describe()} (point-to-point) while {_group_text(common, pos)}: no rank is "
+              "sending to it, the receive can never complete")  # fmt: skip
+    return _order(recv, pos), reason
 
 
 def _verdict(

@@ -45,6 +45,9 @@ class HangConfig:
     phase_floor: float = 60.0  # a recognised phase (checkpoint, evaluation, forward passes, DataLoader)
     phase_factor: float = 3.0
     first_step_floor: float = 60.0  # the first step of a restarted attempt
+    # Uninterruptible sleep (D) with no I/O is proof of a hang only after this long (issue 26: a
+    # slow os.sync() or NFS server holds a healthy rank in D for a while).
+    stalled_limit: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("period", "detect_time", "util_window", "step_factor", "pause_factor", "window",
@@ -53,7 +56,7 @@ class HangConfig:
                 raise ValueError(f"hang detection: {name} must be > 0 (got {getattr(self, name)!r})")
         if self.step_slack < 0 or self.min_step_gaps < 1 or self.idle_cpu < 0:
             raise ValueError("hang detection: step_slack >= 0, min_step_gaps >= 1, idle_cpu >= 0")
-        if self.phase_floor < 0 or self.first_step_floor < 0:
+        if self.phase_floor < 0 or self.first_step_floor < 0 or self.stalled_limit < 0:
             raise ValueError("hang detection: phase_floor >= 0, first_step_floor >= 0")
 
 

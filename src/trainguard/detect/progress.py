@@ -27,12 +27,14 @@ The verdict (``decide_stall``) on a stall longer than the step threshold:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.detect.culprit import CulpritVerdict, FrameLike, Position
 from trainguard.detect.hang import HangConfig, series_stats
+from trainguard.detect.waits import Wait
 
 PROGRESSING = "progressing"  # stack, I/O, spans or GPU moved
 BUSY = "busy"  # on CPU, but on the very same frame, no I/O, no span: long work or a loop
@@ -57,6 +59,9 @@ class RankSamples:
     stacks: Sequence[Sequence[FrameLike] | None] = ()  # main thread frames per py-spy sample (None: unreadable)
     spans: Sequence[int] = ()  # cumulative span records seen at each /proc sample (empty: unknown)
     gpu: Sequence[float] = ()  # utilisation of this rank's GPU per sample (empty: no GPU known)
+    # bytes the tree's TCP sockets moved (received + acknowledged), outside the job's own
+    # connections, at each /proc sample (None: unknown). Socket reads do not move /proc/<pid>/io.
+    net: Sequence[int | None] = ()
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class Progress:
     def describe(self) -> str:
         if self.kind == PROGRESSING:
             what = {"stack": "its stack moves", "io": "it does I/O", "spans": "it records spans",
-                    "gpu": "its GPU utilisation changes", "cpu": f"CPU {self.cpu_percent:.0f}%"}  # fmt: skip
+                    "gpu": "its GPU utilisation changes", "cpu": f"CPU {self.cpu_percent:.0f}%",
+                    "net": "its sockets move data"}  # fmt: skip
             return "progressing: " + ", ".join(what[m] for m in self.moved)
         return {
             BUSY: f"busy on the same frame: CPU {self.cpu_percent:.0f}%, same stack in {self.samples} samples, no I/O",
@@ -117,6 +123,9 @@ def judge_progress(s: RankSamples, cfg: HangConfig, waiting: bool = False) -> Pr
         moved.append("stack")
     if io and not waiting:
         moved.append("io")
+    net = [x for x in s.net if x is not None]
+    if len(set(net)) > 1 and not waiting:
+        moved.append("net")
     if len(set(s.spans)) > 1:
         moved.append("spans")
     if len(s.gpu) >= 3 and not series_stats(list(s.gpu), cfg).unchanged:
@@ -166,6 +175,10 @@ class Limits:
     allowance: Callable[[int, str], float]  # (rank, phase) -> seconds a progressing rank may take
     busy_limit: Callable[[int, str], float]  # (rank, phase) -> seconds busy on the same frame
     frozen_for: Mapping[int, float] = field(default_factory=dict)  # rank -> seconds its stack has not changed
+    # Uninterruptible sleep (D) with no I/O is proof only past this many seconds (a slow NFS or
+    # os.sync() can hold a rank in D for long); the monitor passes HangConfig.stalled_limit.
+    stalled_limit: float = 0.0
+    stalled_for: Mapping[int, float] = field(default_factory=dict)  # rank -> seconds in D without I/O
 
 
 def _order(verdict: CulpritVerdict) -> list[int]:
@@ -174,27 +187,36 @@ def _order(verdict: CulpritVerdict) -> list[int]:
     return [r for r in verdict.candidates if r in verdict.positions] + rest
 
 
-def _what(rank: int, verdict: CulpritVerdict, progress: Mapping[int, Progress]) -> str:
+def _what(rank: int, verdict: CulpritVerdict, progress: Mapping[int, Progress],
+          waits: Mapping[int, Wait] | None = None) -> str:  # fmt: skip
     pos = verdict.positions[rank]
-    return f"rank {rank} {pos.describe()} ({progress[rank].describe()})"
+    w = waits.get(rank) if waits else None
+    on = f"; waits on {w.describe()}" if w is not None and w.kind not in ("running", "unknown") else ""
+    return f"rank {rank} {pos.describe()} ({progress[rank].describe()}){on}"
 
 
 def decide_stall(
-    verdict: CulpritVerdict, progress: Mapping[int, Progress], stall: float, limits: Limits
-) -> StallVerdict:
-    """The verdict on a stall of ``stall`` seconds (already longer than ``limits.threshold``)."""
+    verdict: CulpritVerdict, progress: Mapping[int, Progress], stall: float, limits: Limits,
+    waits: Mapping[int, Wait] | None = None, others_wait: bool = False,
+) -> StallVerdict:  # fmt: skip
+    """The verdict on a stall of ``stall`` seconds (already longer than ``limits.threshold``).
+
+    ``waits``: what each blocked rank waits on (detect.waits, from the kernel). With it, a rank
+    that stands still is a hang only on proof that its wait is dead; a wait on the outside world
+    is a named suspicion until ``detect_time``. Without it (no kernel view) a rank idle while the
+    others wait for it is detected, as before issue 26. ``others_wait``: ranks on other nodes wait
+    in a collective (their latest shared stacks), so a local idle rank is waited for."""
     order = [r for r in _order(verdict) if r in progress]
     pos = verdict.positions
     if stall >= limits.detect_time:
         culprit = verdict.rank if verdict.rank is not None else (order[0] if order else None)
         why = f"no step finished for {stall:.0f}s (--hang-detect-time {limits.detect_time:.0f}s)"
-        if culprit is not None:
-            why += f"; {_what(culprit, verdict, progress)}"
+        if culprit is not None and culprit in progress:
+            why += f"; {_what(culprit, verdict, progress, waits)}"
         return StallVerdict("detected", culprit, "detect-time", why, limit=limits.detect_time)
-    dead = [r for r in order if progress[r].kind in NEVER_HEALTHY]
-    if dead:
-        r = dead[0]
-        return StallVerdict("detected", r, "steps", _what(r, verdict, progress), phase_of(pos[r]), limits.threshold)
+    proof = _proven(order, verdict, progress, limits, waits or {})
+    if proof is not None:
+        return proof
     moving: list[int] = []
     frozen: list[tuple[int, float]] = []
     for r in order:
@@ -212,29 +234,63 @@ def decide_stall(
         phase = phase_of(pos[r])
         allowed = limits.allowance(r, phase)
         state = "watch" if stall <= allowed else "suspected"
-        return StallVerdict(state, r, "", _what(r, verdict, progress), phase, allowed)
+        return StallVerdict(state, r, "", _what(r, verdict, progress, waits), phase, allowed)
     if frozen:
         r, limit = frozen[0]
         why = f"{_what(r, verdict, progress)}: the same frame for {limits.frozen_for[r]:.0f}s, over its limit {limit:.0f}s"
         return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limit)
-    if any(progress[r].kind == UNKNOWN for r in order):
+    if any(progress[r].kind in (UNKNOWN, STALLED) for r in order):
         return StallVerdict("watch", verdict.rank, "", "waiting for more samples", limit=limits.threshold)
-    # Nobody progresses: every rank is idle or waits.
+    return _nobody_progresses(order, verdict, progress, stall, limits, waits, others_wait)
+
+
+def _proven(
+    order: Sequence[int], verdict: CulpritVerdict, progress: Mapping[int, Progress], limits: Limits,
+    waits: Mapping[int, Wait],
+) -> StallVerdict | None:  # fmt: skip
+    """A rank whose wait can never end: stopped, gone, in D past the long limit, or blocked on a
+    wait the kernel shows dead. No allowance covers it."""
+    pos = verdict.positions
+    for r in order:
+        kind = progress[r].kind
+        stalled = kind == STALLED and limits.stalled_for.get(r, math.inf) >= limits.stalled_limit
+        if kind in (STOPPED, GONE) or stalled:
+            return StallVerdict("detected", r, "steps", _what(r, verdict, progress), phase_of(pos[r]), limits.threshold)
+    for r in order:
+        w = waits.get(r)
+        if w is not None and w.dead and progress[r].kind in (IDLE, BUSY):  # a full window standing still
+            why = f"rank {r} {pos[r].describe()} ({progress[r].describe()}); waits on {w.describe()}"
+            return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limits.threshold)
+    return None
+
+
+def _nobody_progresses(
+    order: Sequence[int], verdict: CulpritVerdict, progress: Mapping[int, Progress], stall: float, limits: Limits,
+    waits: Mapping[int, Wait] | None, others_wait: bool = False,
+) -> StallVerdict:  # fmt: skip
+    """Every rank is idle or waits in a collective, and no wait is proven dead."""
+    pos = verdict.positions
     waiting = [r for r in order if pos[r].waiting]
     idle = [r for r in order if not pos[r].waiting]
-    if verdict.rank is not None and waiting:
-        # The culprit is idle while the others wait for it (or waits in a collective nobody else
-        # is in): no allowance covers a rank that shows no progress at all.
+    if verdict.rank is not None and (waiting or others_wait) and verdict.rank in idle:
+        # The culprit stands still while the others wait for it.
         r = verdict.rank
         why = f"{verdict.reason} ({progress[r].describe()})"
-        return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limits.threshold)
+        w = waits.get(r) if waits is not None else None
+        if waits is None:  # no kernel view at all: the rule before issue 26
+            return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limits.threshold)
+        if w is not None and w.kind == "sleep" and w.sleep_left is not None and stall + w.sleep_left >= limits.detect_time:
+            why += (f"; it sleeps {w.sleep_left:.0f}s more: no step can finish before --hang-detect-time "
+                    f"({limits.detect_time:.0f}s)")  # fmt: skip
+            return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), limits.threshold)
+        on = f"; waits on {w.describe()}" if w is not None else "; its wait is unknown"
+        return StallVerdict("suspected", r, "", why + on, phase_of(pos[r]), limits.detect_time)
     if not idle:  # all wait, no single culprit: mismatched collectives, or a rank on another node
         return StallVerdict("detected", verdict.rank, "steps", verdict.reason, "", limits.threshold)
-    # All idle on their own (nobody waits for anybody): stuck on the same frames with flat
-    # utilisation — a hang once the stall outlasts the learned allowance of what they do.
+    # Nobody waits for anybody (all sleep, all wait on the outside world): never a fast verdict —
+    # a suspicion once the stall outlasts the learned allowance of what they do, then detect_time.
     r = idle[0]
     phase = phase_of(pos[r])
     allowed = limits.allowance(r, phase)
-    if stall <= allowed:
-        return StallVerdict("watch", r, "", _what(r, verdict, progress), phase, allowed)
-    return StallVerdict("detected", verdict.rank, "steps", verdict.reason, phase, allowed)
+    state = "watch" if stall <= allowed else "suspected"
+    return StallVerdict(state, r, "", _what(r, verdict, progress, waits), phase, allowed)

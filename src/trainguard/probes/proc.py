@@ -8,6 +8,7 @@ Reading never raises: a process that vanished or cannot be read gives ``alive=Fa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ class ProcSample:
     cpu: float  # user + system seconds of the tree, reaped children included
     children: int = 0
     child_states: tuple[str, ...] = ()
+    tree: tuple[int, ...] = ()  # the worker's pid and its descendants'
+    net: int | None = None  # bytes its tree's TCP sockets moved, outside the job (probes.waits.net_bytes)
 
 
 def read_io(pid: int) -> tuple[int, ...] | None:
@@ -105,12 +108,20 @@ def sample(rank: int, pid: int, now: float) -> ProcSample:
         cpu=cpu,
         children=len(children),
         child_states=tuple(child_states),
+        tree=(pid, *(c.pid for c in children)),
     )
 
 
-def sample_workers(pids: dict[int, int], now: float) -> dict[int, ProcSample]:
-    """global rank -> sample, for every worker of this node."""
-    return {rank: sample(rank, pid, now) for rank, pid in sorted(pids.items())}
+def sample_workers(pids: dict[int, int], now: float, net: bool = True) -> dict[int, ProcSample]:
+    """global rank -> sample, for every worker of this node; ``net``: with the bytes each tree's
+    sockets moved (socket reads do not show in /proc/<pid>/io)."""
+    out = {rank: sample(rank, pid, now) for rank, pid in sorted(pids.items())}
+    if net:
+        from trainguard.probes.waits import net_bytes  # (it reads process states through this module)
+
+        moved = net_bytes({r: list(s.tree) for r, s in out.items() if s.alive and s.tree})
+        out = {r: dataclasses.replace(s, net=moved.get(r)) for r, s in out.items()}
+    return out
 
 
 def cpu_count() -> int:

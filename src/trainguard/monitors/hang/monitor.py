@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard.detect.culprit import CulpritVerdict, RankView, find_culprit
+from trainguard.detect.culprit import CulpritVerdict, RankView, classify, find_culprit
 from trainguard.detect.hang import (
     Activity,
     Assessment,
@@ -46,12 +46,13 @@ from trainguard.detect.progress import (
     judge_progress,
     phase_of,
 )
+from trainguard.detect.waits import Wait, classify_wait
 from trainguard.evidence import HangEvidence, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.monitors.hang.exchange import HangExchange, NodeViews
 from trainguard.monitors.hang.report import HangReport, write_report
 from trainguard.options import SettingsError, given, number
-from trainguard.probes import nvml, proc, stacks
+from trainguard.probes import nvml, proc, stacks, waits
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class _History:
             cpu=[p.cpu for p in ps],
             io=[p.io for p in ps],
             stacks=[f for _, f in st],
+            net=[p.net for p in ps],
         )
 
 
@@ -227,6 +229,9 @@ class _Watch:
         # rank -> the healthy phase its stacks showed during this stall: one sample inside the
         # user's own evaluation loop body must not lose the evaluation the others showed.
         self.recent_phase: dict[int, str] = {}
+        self.d_since: dict[int, float] = {}  # rank -> when it was first seen in D (uninterruptible sleep)
+        self.waits: dict[int, Wait] = {}  # rank -> what it waits on (the latest stall round)
+        self.raw_waits: dict[int, Wait] = {}  # ... as the last round classified it (before confirmation)
 
     def round(self, now: float) -> HangEvidence | None:
         pids = self.ctx.pids()
@@ -235,6 +240,11 @@ class _Watch:
             self.learn_first_step()  # a short attempt may end before a round saw its steps
             return None  # all workers exited: the agent handles that
         self.history.add_procs(samples)
+        for r, s in samples.items():
+            if s.state == "D":
+                self.d_since.setdefault(r, now)
+            else:
+                self.d_since.pop(r, None)
         self.detector.observe(
             now,
             [Activity(r, s.io, s.cpu, s.state, s.alive) for r, s in samples.items()],
@@ -326,6 +336,7 @@ class _Watch:
         self.stalled = self.suspect_recorded = False
         self.history.clear_stacks()
         self.recent_phase.clear()
+        self.waits, self.raw_waits = {}, {}
         self.next_stacks = -math.inf
 
     def _judge(
@@ -348,8 +359,11 @@ class _Watch:
             allowance=lambda r, ph: phase_allowance(self.learned.get(ph), threshold, cfg, recognised=bool(ph)),
             busy_limit=lambda r, ph: busy_limit(self.learned.get(ph), cfg),
             frozen_for={r: now - t for r, t in self.history.same_since.items()},
+            stalled_limit=cfg.stalled_limit,
+            stalled_for={r: now - t for r, t in self.d_since.items()},
         )
-        sv = decide_stall(verdict, progress, a.stall, limits)
+        self.waits = self._waits(verdict, pids)
+        sv = decide_stall(verdict, progress, a.stall, limits, self.waits, self._others_wait())
         self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
         if self.exchange is not None:
             self._share(verdict, progress)
@@ -373,6 +387,37 @@ class _Watch:
         if self._moved_on(a, pids):
             return None  # a step finished while we looked: slow, not hung
         return self._conclude(now, a, sv, verdict, progress)
+
+    def _others_wait(self) -> bool:
+        """Whether ranks on other nodes wait in a collective (their latest shared stacks, not
+        waited for): a rank idle here is then waited for, as when its peers were local."""
+        if self.exchange is None:
+            return False
+        others = self._others(0.0, declared=False)
+        return any(classify(v).waiting for nv in others.values() for v in nv.views.values())
+
+    def _waits(self, verdict: CulpritVerdict, pids: dict[int, int]) -> dict[int, Wait]:
+        """What every rank outside a collective waits on, from the kernel (probes.waits) and its
+        innermost frames (detect.waits). A wait counts as dead only when two rounds in a row
+        found it dead the same way: a pipe or a peer caught between two states is not proof."""
+        out: dict[int, Wait] = {}
+        for r, p in verdict.positions.items():
+            if p.waiting or p.kind in ("stopped", "gone", "exiting") or r not in pids:
+                continue
+            dump = self.last_dumps.get(r)
+            main = dump.main_thread() if dump else None
+            threads = sum(1 for t in dump.threads if t.frames) if dump else 0
+            try:
+                w = classify_wait(waits.wait_facts(pids[r]), main.frames if main else (), threads)
+            except Exception:  # a probe must never end the watch
+                log.exception("hang: could not read what rank %s waits on", r)
+                continue
+            prev = self.raw_waits.get(r)
+            self.raw_waits[r] = w
+            if w.dead and not (prev and prev.dead and (prev.kind, prev.proof) == (w.kind, w.proof)):
+                w = dataclasses.replace(w, dead=False, proof="")  # seen dead once: confirmed next round
+            out[r] = w
+        return out
 
     def _seed_rule(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
         steps = {r: self.ctx.steps.recent(r) for r in pids}
@@ -576,7 +621,8 @@ class _Watch:
         level = sv.state
         rule = sv.rule or "steps"
         signals = dict(a.signals, progress={str(r): p.to_dict() for r, p in sorted(progress.items())},
-                       limit_s=round(sv.limit, 2), phase=sv.phase)  # fmt: skip
+                       limit_s=round(sv.limit, 2), phase=sv.phase,
+                       waits={str(r): w.to_dict() for r, w in sorted(self.waits.items())})  # fmt: skip
         shown = dataclasses.replace(a, rule=rule, message=sv.why, signals=signals)
         report = None
         try:
@@ -594,8 +640,8 @@ class _Watch:
         reason = verdict.reason if culprit == verdict.rank else sv.why
         if level == "suspected":
             message = (f"hang suspected: no step for {a.stall:.0f}s (allowance {sv.limit:.0f}s); candidate {who}: "
-                       f"{sv.why}. Not a hang yet: watching (hang_detected if progress stops, or after "
-                       f"{self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
+                       f"{sv.why}. Not a hang yet: watching (hang_detected if its wait is proven dead or progress "
+                       f"stops, or after {self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
         else:
             message = f"job hung ({rule}): culprit {who}: {sv.why}" + (f". Known causes: {causes}" if causes else "")
         evidence = {
@@ -610,6 +656,7 @@ class _Watch:
             "causes": verdict.causes,
             "stack": [str(f) for f in main.frames] if main else _remote_stack(self.remote_views, culprit),
             "stack_error": culprit_dump.error if culprit_dump else None,
+            "wait": self.waits[culprit].to_dict() if culprit in self.waits else None,
             "ranks": {
                 str(r): {
                     "pid": dumps[r].pid if r in dumps else None,
@@ -617,6 +664,7 @@ class _Watch:
                     "summary": pos.describe(),
                     **pos.to_dict(),
                     **({"progress": progress[r].kind} if r in progress else {}),
+                    **({"wait": self.waits[r].to_dict()} if r in self.waits else {}),
                 }
                 for r, pos in sorted(verdict.positions.items())
             },

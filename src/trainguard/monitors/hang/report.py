@@ -40,7 +40,7 @@ def render(r: HangReport) -> str:
     )
     culprit = "unknown (see reason)" if verdict.rank is None else f"rank {verdict.rank}"
     lines = [
-        "trainguard hang report" + (" (suspected: the candidate is still busy or progressing; watching)" if r.level == "suspected" else ""),
+        "trainguard hang report" + (" (suspected: the candidate is busy, progressing or waiting on the outside world; watching)" if r.level == "suspected" else ""),
         f"time:    {time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(when))}",
         f"node:    {node}    attempt: {attempt}",
         f"culprit: {culprit}",
