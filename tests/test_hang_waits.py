@@ -218,9 +218,9 @@ def test_probe_socket_bytes_move_while_proc_io_stands_still() -> None:
     try:
         conn, _ = srv.accept()
         with conn:
-            first = _until(lambda: proc.sample_workers({0: reader.pid}, time.time())[0])
+            first = _until(lambda: waits.with_net(proc.sample_workers({0: reader.pid}, time.time()))[0])
             conn.sendall(b"x" * 50_000)
-            later = _until(lambda: (s := proc.sample_workers({0: reader.pid}, time.time())[0]).net
+            later = _until(lambda: (s := waits.with_net(proc.sample_workers({0: reader.pid}, time.time()))[0]).net
                            and s.net >= (first.net or 0) + 50_000 and s)  # fmt: skip
             assert later.io is not None and first.io is not None
             assert later.io[0] - first.io[0] < 50_000  # rchar: recv() does not count there

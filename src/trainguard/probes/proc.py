@@ -8,7 +8,6 @@ Reading never raises: a process that vanished or cannot be read gives ``alive=Fa
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -112,16 +111,10 @@ def sample(rank: int, pid: int, now: float) -> ProcSample:
     )
 
 
-def sample_workers(pids: dict[int, int], now: float, net: bool = True) -> dict[int, ProcSample]:
-    """global rank -> sample, for every worker of this node; ``net``: with the bytes each tree's
-    sockets moved (socket reads do not show in /proc/<pid>/io)."""
-    out = {rank: sample(rank, pid, now) for rank, pid in sorted(pids.items())}
-    if net:
-        from trainguard.probes.waits import net_bytes  # (it reads process states through this module)
-
-        moved = net_bytes({r: list(s.tree) for r, s in out.items() if s.alive and s.tree})
-        out = {r: dataclasses.replace(s, net=moved.get(r)) for r, s in out.items()}
-    return out
+def sample_workers(pids: dict[int, int], now: float) -> dict[int, ProcSample]:
+    """global rank -> sample, for every worker of this node (``probes.waits.with_net`` adds the
+    bytes each tree's sockets moved: socket reads do not show in /proc/<pid>/io)."""
+    return {rank: sample(rank, pid, now) for rank, pid in sorted(pids.items())}
 
 
 def cpu_count() -> int:

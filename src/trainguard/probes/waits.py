@@ -15,6 +15,7 @@ to the process through the socket inodes in ``/proc/<pid>/fd``; without sock_dia
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
@@ -22,6 +23,8 @@ import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from trainguard.probes.proc import ProcSample, read_state
 
 # --------------------------------------------------------------------------------------------
 # system calls (numbers per architecture: only the blocking ones we classify)
@@ -299,8 +302,6 @@ class ProcInfo:
 
 
 def proc_info(pid: int) -> ProcInfo:
-    from trainguard.probes.proc import read_state
-
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -406,6 +407,12 @@ def net_bytes(trees: dict[int, list[int]], socks: dict[int, TcpSock] | None = No
             continue
         out[r] = sum((s.received or 0) + (s.acked or 0) for s in mine)
     return out
+
+
+def with_net(samples: dict[int, ProcSample]) -> dict[int, ProcSample]:
+    """The samples with the bytes each rank's process tree moved through its sockets (``net``)."""
+    moved = net_bytes({r: list(s.tree) for r, s in samples.items() if s.alive and s.tree})
+    return {r: dataclasses.replace(s, net=moved.get(r)) for r, s in samples.items()}
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ class _Watch:
 
     def round(self, now: float) -> HangEvidence | None:
         pids = self.ctx.pids()
-        samples = proc.sample_workers(pids, now)
+        samples = waits.with_net(proc.sample_workers(pids, now))
         if not any(s.alive and s.state not in ("Z", "X") for s in samples.values()):
             self.learn_first_step()  # a short attempt may end before a round saw its steps
             return None  # all workers exited: the agent handles that
@@ -584,7 +584,7 @@ class _Watch:
 
     def _moved_on(self, a: Assessment, pids: dict[int, int]) -> bool:
         later = time.time()
-        samples = proc.sample_workers(pids, later)
+        samples = waits.with_net(proc.sample_workers(pids, later))
         self.history.add_procs(samples)
         self.detector.observe(
             later,
