@@ -5,11 +5,9 @@ whatever ``TRAINGUARD_CKPT_KEEP`` says; bad settings are one warning, never an e
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,6 @@ from trainguard.checkpoint import disk
 from trainguard.checkpoint.client import Checkpointer
 from trainguard.checkpoint.persist import Persister
 from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
-
-
-@pytest.fixture
-def shm_root():
-    root = Path("/dev/shm") / f"tg-guard-test-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _persist_steps(ckpt_dir: Path, shm_root: Path, steps: list[int], keep: int) -> None:
