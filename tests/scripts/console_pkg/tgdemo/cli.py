@@ -63,8 +63,9 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if rank == args.hang_rank and step == args.hang_step and attempt == 0:
             print(f"hanging at step={step} rank={rank}", flush=True)
-            while True:
-                time.sleep(60)
+            # One sleep past --hang-detect-time while the others wait in the all-reduce: the proof
+            # the hang watch acts on (a loop of short sleeps is only a suspicion until that window).
+            time.sleep(3600)
         t0 = time.perf_counter()
         x = next(loaders[step % len(loaders)])
         opt.zero_grad()
