@@ -5,6 +5,7 @@ kernel probes (probes.waits) on real processes, and real gloo jobs through the h
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tgtest import SCRIPTS
+from tgtest import SCRIPTS, wait_for
 
 from trainguard.detect.culprit import RankView, find_culprit
 from trainguard.detect.hang import HangConfig
@@ -190,14 +191,7 @@ def _spawn(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
-def _until(pred, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
+_until = functools.partial(wait_for, timeout=30.0, every=0.05)  # the probes see a state within ms
 
 
 def _reap(*procs: subprocess.Popen) -> None:
