@@ -25,10 +25,11 @@ def _ctx(run_dir: Path, restart_count: int = 1) -> tuple[MonitorContext, EventSt
     return ctx, store
 
 
-def _options(*argv: str) -> argparse.Namespace:
+def _options(*argv: str) -> diagnosis_monitor.DiagnosisSettings:
+    """The monitor's settings from its `trainguard run` flags (what the run's settings builder reads)."""
     p = argparse.ArgumentParser()
     diagnosis_monitor.add_run_arguments(p.add_argument_group("diagnosis"))
-    return p.parse_args(list(argv))
+    return diagnosis_monitor.settings(p.parse_args(list(argv)))
 
 
 def _sigkill_failures() -> dict[int, RankFailure]:

@@ -84,3 +84,11 @@ def test_trainer_log_that_stops_short_is_a_hang_live_only_and_a_finished_one_is_
     done.parent.mkdir()
     done.write_text("\n".join(_jsonl([1.5 - i / 100 for i in range(40)], total=400)) + "\n")
     assert diagnose_paths([str(done)])["category"] == "healthy"
+
+
+def test_deepspeed_skipping_nearly_every_step_is_nan_a_few_skips_are_not():
+    line = "[Rank 0] step={}, skipped={}, lr=[0.001, 0.001], mom=[0.0, 0.0]"
+    verdict, _ = _feed([line.format(500, 496)])
+    assert verdict is not None and "skipped 496 of 500" in verdict
+    assert _feed([line.format(500, 7), line.format(1000, 9)]) == (None, None)
+    assert _feed([line.format(20, 20)]) == (None, None)  # too early to tell: the loss scale is settling

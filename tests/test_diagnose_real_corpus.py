@@ -2,10 +2,10 @@
 
 Each case is a log written in the format of a public report (SOURCE names it and its framework
 family). The floors sit just under what bench/diagnose_accuracy.py measured when they were set
-(issue 27, second pass: 272 cases, the burned frozen split 1 included; category 98.5 %, first rank
-95.4 %, first host 94.9 %; leave-one-framework-out category 94.1 %; no healthy log called a failure,
-1 of 36 hangs called healthy). The frozen split (tests/corpus/frozen2/) is scored by the bench on
-its own line and deliberately has no floor here: it is scored once, not tuned."""
+(issue 27, sixth pass: 558 cases, the burned frozen splits 1 to 5 included; category 99.6 %,
+first rank 98.8 %, first host 95.2 %; leave-one-framework-out category 95.3 %; no healthy log called
+a failure, 2 of 90 hangs called healthy). The frozen split (tests/corpus/frozen6/) is scored by the
+bench on its own line and deliberately has no floor here: it is scored once, not tuned."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ CASES = acc.load_cases()
 ENGINES = ["re"] + (["hyperscan"] if _hs is not None else [])
 FAMILIES = set("megatron deepspeed nemo hf llamafactory swift axolotl torchtitan torchtune lightning fairseq "
                "colossalai rl horovod slurm torchrun".split())  # fmt: skip
-CATEGORY_FLOOR = 0.98
-RANK_FLOOR = 0.95
-HOST_FLOOR = 0.94
-LOFO_FLOOR = 0.935  # leave-one-framework-out: rules fitted to one family do not count on it
+CATEGORY_FLOOR = 0.99
+RANK_FLOOR = 0.98
+HOST_FLOOR = 0.95
+LOFO_FLOOR = 0.95  # leave-one-framework-out: rules fitted to one family do not count on it
 
 
 def test_the_corpus_is_large_labelled_and_covers_every_category_and_family():
-    assert len(CASES) >= 270
+    assert len(CASES) >= 410
     for c in CASES:
         assert c.label["url"].startswith("https://"), c.name
         assert c.label.get("project") and c.label.get("key") or c.category in ("healthy",), c.name
@@ -54,7 +54,8 @@ def test_accuracy_floors(engine: str):
     assert rep.host_accuracy >= HOST_FLOOR, (rep.host_accuracy, wrong)
     conf = acc.confusion(rep)
     assert conf["healthy called a failure"][0] == 0, wrong
-    assert conf["hang called healthy"][0] <= 1, wrong
+    missed, hangs = conf["hang called healthy"]
+    assert missed * 30 <= hangs, wrong  # at most 1 in 30 (a hang whose only evidence no rule reads)
     text = acc.render(rep)
     assert "confusion matrix" in text and "first failing rank" in text and "calibration" in text
 

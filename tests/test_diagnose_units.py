@@ -143,6 +143,22 @@ def test_prefilter_finds_every_line_with_a_keyword(engine):
     assert [buf[s:e] for s, e in p.lines(buf)] == [b"an Error here", b"NaN Error", b"x a\\b y", b"last Error"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefilter_scans_from_two_threads_at_once(engine):
+    """The agent's warm-up thread and its failure path scan with one prefilter: a job that fails
+    within its first second once took the agent down with hyperscan's ScratchInUseError."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = Prefilter(["Error", "NaN"], engine)
+    buf = b"ok line\nan Error here\n" * 20000
+
+    def scan(_: int) -> int:
+        return sum(1 for _ in p.lines(buf))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(scan, range(16))) == [20000] * 16
+
+
 def test_bad_bytes_huge_lines_and_odd_encodings_do_not_crash(tmp_path: Path):
     (tmp_path / "empty.log").write_bytes(b"")
     (tmp_path / "binary.log").write_bytes(bytes(range(256)) * 1000)

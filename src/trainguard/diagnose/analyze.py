@@ -24,14 +24,15 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
-from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, detect
+from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW, SlowdownWarning, detect
 from trainguard.diagnose.ending import Ending, log_ending, oom_likely
 from trainguard.diagnose.lines import iso
-from trainguard.diagnose.lookback import silent_before
+from trainguard.diagnose.lookback import silent_before, stamp_in
 from trainguard.diagnose.progress import stopped
-from trainguard.diagnose.rules import RuleSet
+from trainguard.diagnose.rules import Rule, RuleSet
 from trainguard.diagnose.scan import Hit, Progress, SourceScan
 
 INCIDENT_WINDOW_S = 10.0
@@ -207,6 +208,31 @@ def oom_evidence(hits: list[Hit], rules: RuleSet) -> tuple[list[Hit], dict[int, 
     return [h for h in hits if id(h) not in used], evidence
 
 
+SESSION_STOP_S = 10.0  # a stop signal this close to the user's session closing was sent by its end
+
+
+def _clock(t: float) -> tuple:
+    # syslog lines carry no year (they are read with the log's year, or 1970): match by date and time
+    d = datetime.fromtimestamp(t, tz=UTC)
+    return (d.month, d.day, d.hour * 3600 + d.minute * 60 + d.second + d.microsecond / 1e6)
+
+
+def session_stops(hits: list[Hit], facts: list[Hit]) -> None:
+    """A stop signal (a cancel, SIGTERM/SIGHUP) logged when the user's login session closed: the
+    session's end stopped the job from outside (killed_external), it is no sign of a hang."""
+    closes = [_clock(f.time) for f in facts if f.rule.id == "host.session_closed" and f.time is not None]
+    if not closes:
+        return
+    for h in hits:
+        at = h.time if h.time is not None else stamp_in(h.message)  # Slurm's "CANCELLED AT <time>"
+        if h.rule.id != "launcher.sigterm" or at is None:
+            continue
+        mo, d, s = _clock(at)
+        if any(mo == c[0] and d == c[1] and abs(s - c[2]) <= SESSION_STOP_S for c in closes):
+            h.rule = replace(h.rule, id=h.rule.id + "+session_closed", category="killed_external",
+                             summary="stopped when the user's login session that owned the job closed")  # fmt: skip
+
+
 def _confidence(h: Hit) -> str:
     if h.rule.confidence:
         return h.rule.confidence
@@ -309,6 +335,17 @@ def _no_exit(
     }
 
 
+def _sustained(warns: list[SlowdownWarning]) -> list[SlowdownWarning]:
+    """The warnings of slow windows that follow one another: a slowdown lasts. One slow window
+    between normal ones is a pause (an evaluation, a checkpoint save, fp16 overflow steps skipped
+    while the loss scale settles), not a slower run."""
+    keep = set()
+    for i, (a, b) in enumerate(zip(warns, warns[1:], strict=False)):
+        if b.first_iter == a.last_iter + 1:
+            keep.update((i, i + 1))
+    return [w for i, w in enumerate(warns) if i in keep]
+
+
 def _slowdown(scans: list[SourceScan], window: int, threshold: float) -> dict[str, Any] | None:
     series: dict[Any, list[tuple[int, float]]] = {}
     for s in scans:
@@ -316,7 +353,7 @@ def _slowdown(scans: list[SourceScan], window: int, threshold: float) -> dict[st
             series.setdefault(rank, []).extend(samples)
     found = {}
     for rank, samples in series.items():
-        warns = detect(samples, window, threshold)
+        warns = _sustained(detect(samples, window, threshold))
         if warns:
             found[rank] = warns
     if not found:
@@ -433,6 +470,7 @@ def gather(scans: list[SourceScan], extra_hits: list[Hit], rules: RuleSet, windo
     hits = gate_needs_exit(hits)
     hits, oom_ev = oom_evidence(hits, rules)
     facts = [h for s in scans for h in s.facts]
+    session_stops(hits, facts)
     ranks_seen: set[int] = set().union(*(s.ranks for s in scans)) if scans else set()
     ranks_seen |= {h.rank for h in hits if h.rank is not None}
     progress: dict[Any, Progress] = {}
@@ -473,11 +511,12 @@ def recovered(inc: Incident, ctx: Context) -> bool:
 
 def _logged_first(first: Incident, rivals: list[Incident]) -> Incident:
     """Untimed, the same failure on several ranks in one file (interleaved output of one launcher):
-    the rank whose line was logged first failed first, not the lowest rank number."""
-    if first.start is not None or first.failure_time is not None or first.key[0] != "rank":
+    the rank whose line was logged first failed first, not the lowest rank number; the same for a
+    process known only by its host (an NCCL line whose init line is not in the log)."""
+    if first.start is not None or first.failure_time is not None or first.key[0] not in ("rank", "host"):
         return first
     b = first.best
-    same = [i for i in rivals if i.key[0] == "rank" and i.start is None and i.failure_time is None
+    same = [i for i in rivals if i.key[0] in ("rank", "host") and i.start is None and i.failure_time is None
             and i.root == first.root and i.best.rule.category == b.rule.category and i.best.file == b.file
             and not i.best.synthetic and not i.best.table and i.best.offset is not None]  # fmt: skip
     return min(same, key=lambda i: i.best.offset or 0) if first in same and len(same) > 1 else first
@@ -519,17 +558,36 @@ def first_incident(ctx: Context) -> Incident | None:
     return first
 
 
-def _rank_of_host_failure(first: Incident, ctx: Context) -> int | None:
+def _end_report(rule: Rule) -> bool:
+    """A report of how a process ended (a launcher's exit line, a signal's symptom), not a cause."""
+    return "exit" in rule.tags or rule.role == "symptom"
+
+
+def _rank_of_host_failure(first: Incident, ctx: Context) -> tuple[int | None, str | None]:
     """A failure seen on a host without a rank (a kernel line): the rank that failed the same way
-    within the incident window after it, on that host or one not named, is the rank it hit."""
-    start, host, cat = first.start, first.best.host, first.best.rule.category
-    if start is None:
-        return None
-    near = [i for i in ctx.incs if i.key[0] == "rank" and i.best.rule.category == cat and i.start is not None
-            and 0 <= i.start - start <= INCIDENT_WINDOW_S
-            and (i.best.host in (None, host) or i.best.host == ctx.guessed.get(i.best.file))]  # fmt: skip
+    within the incident window after it, on that host or one not named, is the rank it hit; else
+    (untimed reports: slurmstepd's oom-kill, then srun's "gpu001: task 0: Out Of Memory") the rank
+    whose untimed report of the same failure follows it in the same file, and that report's host
+    when the failure's own host is only guessed from the file name. (rank, host or None)"""
+    start, host, cat, b = first.start, first.best.host, first.best.rule.category, first.best
+    guessed = host is None or host == ctx.guessed.get(b.file)
+    same = [i for i in ctx.incs if i.key[0] == "rank" and i.best.rule.category == cat]
+    on_host = [i for i in same if i.best.host in (None, host) or i.best.host == ctx.guessed.get(i.best.file)]
+    near = [i for i in on_host if start is not None and i.start is not None and 0 <= i.start - start <= INCIDENT_WINDOW_S]
+    after = [i for i in ctx.incs if i.key[0] == "rank" and i.start is None and i.best.file == b.file and i.best.order > b.order]
+    if not near:
+        near = [i for i in after if i in (same if guessed else on_host)]
+    if not near and start is None:
+        # no report of the same failure: the launcher's report of the one process whose end
+        # followed it (mp.spawn's "process 1 terminated with signal SIGABRT") names the rank
+        near = [i for i in after if _end_report(i.best.rule)]
     ranks = {i.key[1] for i in near}
-    return ranks.pop() if len(ranks) == 1 else None
+    if len(ranks) != 1:
+        return None, None
+    # a host the following report names in its line (not one guessed from its file name)
+    hosts = {i.best.host for i in near if i.start is None and i.best.host != ctx.guessed.get(i.best.file)}
+    named = hosts.pop() if guessed and len(hosts) == 1 and near[0].best.rule.category == cat else None
+    return ranks.pop(), named
 
 
 def _failure(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet, has_failures: bool) -> None:
@@ -546,7 +604,9 @@ def _failure(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleS
     result["evidence"] = [hit_dict(h) for h in ev[:MAX_EVIDENCE]]
     result["fix"] = rules.fix_for(best.rule)
     host = result["first_failure"]["host"]
-    rank = best.rank if best.rank is not None else _rank_of_host_failure(first, ctx)
+    rank, named = (best.rank, None) if best.rank is not None else _rank_of_host_failure(first, ctx)
+    if named:
+        host = result["first_failure"]["host"] = named
     result["first_failure"]["rank"] = rank
     where = f"rank {rank}" if rank is not None else (host or best.file)
     if host and rank is not None:
@@ -641,6 +701,11 @@ def _offline_kill(result: dict[str, Any], first: Incident, ctx: Context, rules: 
     if result["category"] != "killed_external" or likely is None:
         return False
     where = result["summary"].rsplit(" (", 1)[-1] if result["summary"].endswith(")") else ""
+    if not likely.memory:  # loading alone does not show memory ran out: the kill stands, OOM is the lead
+        result["summary"] = (f"killed by SIGKILL {likely.why}; these logs have no OOM-killer line, so only the kill "
+                             "is certain: host RAM OOM is the likely sender (confirm with `dmesg -T | grep -i oom` "
+                             "on the node)" + (f" ({where}" if where else ""))  # fmt: skip
+        return False
     result.update(category="host_oom", confidence=likely.confidence, family=rules.family_for("host_oom"),
                   fix=rules.fix_for("host_oom"),
                   summary=f"host RAM OOM likely (confirm with dmesg): killed by SIGKILL {likely.why}, and these logs "
@@ -652,6 +717,26 @@ def _offline_kill(result: dict[str, Any], first: Incident, ctx: Context, rules: 
 
 
 _LOWER = {"high": "medium", "medium": "low", "low": "low"}
+# A stop that ends a wait rather than causing a failure: the scheduler's time limit, the user's
+# interrupt (^C, SIGINT). Not a SIGKILL: that is also how the kernel's OOM killer stops a job.
+_WAIT_ENDER = re.compile(r"DUE TO TIME LIMIT|SIGINT|got signal: 2\b|KeyboardInterrupt|^\s*\^C")
+
+
+def _stopped_stall(result: dict[str, Any], best: Hit, ctx: Context, rules: RuleSet) -> bool:
+    """Offline, a time-limit cancel or the user's interrupt of a job whose logs, read without the
+    stop, show a stall (no training step after start-up, a later look, a long silence): the job had
+    hung and the stop only ended the wait."""
+    if _WAIT_ENDER.search(best.line) is None:
+        return False
+    end = log_ending(ctx.scans)
+    if not end.hang:
+        return False
+    _hang_at(result, rules, "medium", f"{end.why}, and then the job was stopped ({best.line.strip()[:120]}): the job "
+             "hung, and the stop ended the wait")  # fmt: skip
+    result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
+    return True
+
+
 
 
 def _offline_idle_stop(result: dict[str, Any], first: Incident, ctx: Context, rules: RuleSet) -> bool:
@@ -663,7 +748,7 @@ def _offline_idle_stop(result: dict[str, Any], first: Incident, ctx: Context, ru
     late = silent_before([s.clock for s in ctx.scans if str(s.source.path) == best.file],
                          [s.clock for s in ctx.scans], best.time, best.line)  # fmt: skip
     if late is None:
-        return False
+        return _stopped_stall(result, best, ctx, rules)
     hours = (late.time - late.before) / 3600
     _hang_at(result, rules, "medium", f"nothing was logged for {hours:.1f} h before the job was stopped from outside "
              f"({best.line.strip()[:120]}): the job hung, and the stop ended it")  # fmt: skip
@@ -692,8 +777,12 @@ def hypotheses(result: dict[str, Any], first: Incident | None, ctx: Context, rul
         out.append(_hypo("killed_external", "low", "stopped from outside while it was still working (only the "
                          "silence before the stop says it was not)", [ff], ff.get("rank")))  # fmt: skip
     elif result["category"] == "killed_external":
-        out.append(_hypo("host_oom", "low", "host RAM OOM is possible: these logs have no kernel line to tell "
-                         "(confirm or rule out with dmesg on the node)", [ff], ff.get("rank")))  # fmt: skip
+        likely = oom_likely(ctx.scans)
+        out.append(_hypo("host_oom", "medium" if likely else "low",
+                         f"host RAM OOM likely: killed {likely.why}; confirm with dmesg on the node" if likely else
+                         "host RAM OOM is possible: these logs have no kernel line to tell "
+                         "(confirm or rule out with dmesg on the node)", [ff] + (likely.lines if likely else []),
+                         ff.get("rank")))  # fmt: skip
     if end is not None and end.kind == "ended_on_progress":
         out.append(_hypo("hang_no_error", "low", "the job may have hung right after the last progress line, if it "
                          "was still running when the log ended", [{"line": end.line}], end.rank))  # fmt: skip

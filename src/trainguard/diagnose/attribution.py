@@ -14,10 +14,16 @@ launcher's own report instead, and so does this:
   with ...`` and ``-- Process N terminated with the following error:`` (torch.multiprocessing.spawn),
   mpirun's ``process rank N with PID P on node H``;
 - NCCL's ``HOST:PID:TID [dev] NCCL INFO comm 0x.. rank R nranks N`` maps that process to rank R for
-  its later NCCL lines.
+  its later NCCL lines;
+- a process naming itself (fairseq's ``distributed init (rank R)``, ``initialized host H as rank R``)
+  or spawn's ``-- Process N terminated ...`` report: when a file names exactly one such rank, its
+  rankless failure lines are that rank's (``file_rank``), also those before the report (the OOM a
+  spawned process logged before spawn reported it);
+- a traceback that starts on a rank-prefixed line (ParlAI's ``rank:  3 | ... | Traceback``) gives
+  that rank to its unprefixed exception line.
 
 Facts (rules of role "fact") feed the context through named groups: rank, local_rank, host,
-node_rank, nproc, nnodes, root_cause, failures.
+node_rank, nproc, nnodes, root_cause, failures, self_rank.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+TRACEBACK_REACH = 80  # lines from "Traceback (most recent call last)" to its exception line
 TABLE_REACH = 12  # candidate lines after an elastic table's rank line that still belong to its entry
 CONTEXT_REACH = 40  # candidate lines after "-- Process N terminated with the following error:"
 
@@ -63,6 +70,16 @@ class Attribution:
     _context: tuple[int, int] | None = None  # (rank, until order)
     _pid_rank: dict[tuple[str | None, int], int] = field(default_factory=dict)
     host: str | None = None  # the file's host, where a fact names it outside a table (kubectl describe)
+    _named: set[int] = field(default_factory=set)  # ranks the file names as its own or as the failed one
+    _traceback: tuple[int, int] | None = None  # (rank, until order): a traceback opened on a prefixed line
+
+    def file_rank(self) -> int | None:
+        """The one rank this file names as its process or as spawn's failed process, else None."""
+        return next(iter(self._named)) if len(self._named) == 1 else None
+
+    def traceback(self, rank: int, order: int) -> None:
+        """A traceback opened on a line prefixed with ``rank``: its exception line is that rank's."""
+        self._traceback = (rank, order + TRACEBACK_REACH)
 
     def global_rank(self, local: int) -> int:
         if self.node_rank is not None and self.nproc:
@@ -74,6 +91,10 @@ class Attribution:
     ) -> None:
         """A fact line's named groups update the context."""
         g = {k: v for k, v in groups.items() if v is not None}
+        if "self_rank" in g:  # "initialized host H as rank R": this file is rank R's (on host H)
+            self._named.add(int(g["self_rank"]))
+            self.host = g.get("host", self.host)
+            return
         for key in ("node_rank", "nproc", "nnodes"):
             if key in g:
                 setattr(self, key, int(g[key]))
@@ -100,6 +121,7 @@ class Attribution:
             return
         if "rank" in g:  # "-- Process N terminated with the following error:"
             self._context = (int(g["rank"]), order + CONTEXT_REACH)
+            self._named.add(int(g["rank"]))
 
     def resolve(self, message: str, order: int, host: str | None = None, pid: int | None = None) -> Who:
         """Rank, host, pid and root-cause flag the launcher context gives this candidate line."""
@@ -123,6 +145,9 @@ class Attribution:
             return Who(int(m.group(1)), self.host, line_pid, True)
         if pid is not None and (host, pid) in self._pid_rank:
             return Who(self._pid_rank[(host, pid)], self.host, pid)
+        if self._traceback is not None and order <= self._traceback[1]:
+            rank, self._traceback = self._traceback[0], None  # the exception line ends the traceback
+            return Who(rank, self.host, line_pid)
         if self._context is not None and order <= self._context[1]:
             return Who(self._context[0], self.host, line_pid)
         return Who(None, self.host, line_pid)

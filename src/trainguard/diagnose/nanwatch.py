@@ -9,6 +9,9 @@ Experts read these from the numbers, not from an error message:
 - the loss jumping from a normal value straight to exactly 0.0 and staying there, where the log
   has no gradient norm (LLaMA-Factory's ``trainer_log.jsonl``): a loss that decays towards 0 over
   several records (over-fitting a tiny set) is not this;
+- DeepSpeed's fp16 step counter skipping nearly every step (``step=500, skipped=496``): the loss
+  scaler found inf/NaN gradients on each of them, so the model no longer learns (a handful of
+  skipped steps while the loss scale settles is normal);
 - Megatron's ``lm loss:`` field disappearing from the iteration lines: Megatron prints only finite
   averages, so a NaN loss drops the field while ``number of nan iterations`` may stay 0.
 
@@ -30,6 +33,9 @@ _NUM = r"(nan|[-+]?inf(?:inity)?|[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"
 _GRAD = re.compile(r"(?i)\bgrad[_ ]norm\b['\"]?\s*[:=]\s*['\"]?" + _NUM)
 _LOSS = re.compile(r"(?i)(?<![\w/])(?:lm |train[_/])?loss\b(?! scale)['\"]?\s*[:=]?\s*['\"]?" + _NUM)
 _MEGATRON = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|")
+_SKIPPED = re.compile(r"\bstep=(\d+), skipped=(\d+)")
+SKIP_MIN_STEPS = 100  # the skip counter is read once this many optimizer steps were taken
+SKIP_SHARE = 0.9  # ... and counts as NaN/Inf gradients when this share of them were skipped
 
 
 def _value(text: str) -> float:
@@ -70,12 +76,22 @@ class NanWatch:
             st.collapsed += 1
             st.anchor = st.anchor if st.collapsed > 1 else message
 
+    def _skipped(self, st: _State, message: str) -> str | None:
+        m = _SKIPPED.search(message)
+        if m is None or int(m[1]) < SKIP_MIN_STEPS or int(m[2]) < SKIP_SHARE * int(m[1]):
+            return None
+        st.fired = True
+        return (PREFIX + f"the fp16 loss scaler skipped {m[2]} of {m[1]} steps (inf/NaN gradients on nearly "
+                "every step: the model no longer learns)")  # fmt: skip
+
     def feed(self, key: object, message: str) -> str | None:
-        if "rad" not in message and "oss" not in message and "iteration" not in message:
+        if "rad" not in message and "oss" not in message and "iteration" not in message and "skipped=" not in message:
             return None
         st = self._state.setdefault(key, _State())
         if st.fired:
             return None
+        if "skipped=" in message:
+            return self._skipped(st, message)
         low = message.lower()
         odd = "nan" in low or "inf" in low  # a non-finite value may be in this line
         it = _MEGATRON.search(message) if "iteration" in message else None

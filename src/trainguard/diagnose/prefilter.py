@@ -9,6 +9,7 @@ Both return the same lines: every line that contains at least one keyword.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 
 try:  # optional accelerator
@@ -64,6 +65,8 @@ class Prefilter:
         self.engine = engine
         self._re = _rare_first_regex(kws)
         self._db = None
+        # The agent scans from more than one thread (the warm-up thread, the failure path).
+        self._scan_lock = threading.Lock()
         if engine == "hyperscan":
             if _hs is None:
                 raise ValueError("hyperscan is not installed")
@@ -131,11 +134,12 @@ class Prefilter:
                 ids[state[0]].add(kid)
             return None
 
-        if n == len(buf):
-            self._db.scan(buf, match_event_handler=on_match)
-        else:
-            with memoryview(buf)[:n] as part:
-                self._db.scan(part, match_event_handler=on_match)
+        with self._scan_lock:  # one scratch per database: two threads at once raise ScratchInUseError
+            if n == len(buf):
+                self._db.scan(buf, match_event_handler=on_match)
+            else:
+                with memoryview(buf)[:n] as part:
+                    self._db.scan(part, match_event_handler=on_match)
         prev_end = -1
         for end in sorted(set(ends)):  # hits arrive in end order; sets guard against duplicates
             if end <= prev_end:

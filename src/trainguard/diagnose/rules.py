@@ -75,8 +75,14 @@ FAMILIES = ("user_code", "hardware", "communication", "signal", "exit", "environ
 #   loading    loading a model, shards or optimizer state (tail only; offline SIGKILL -> host OOM likely)
 #   memreport  the log's own host memory report, with a group ``percent`` (tail only)
 #   stall      ranks wait for the others (tail only): a hang when no progress line follows it
-TAGS = ("oom_kill", "exit", "completion", "startup", "text", "needs_exit", "stackdump", "loading", "memreport", "stall")
-TAIL_TAGS = {"startup", "stackdump", "loading", "memreport", "stall"}  # looked for in a log's tail only
+#   interrupt  the user's ^C / KeyboardInterrupt (tail only): not a failure by itself
+#   waitframe  a traceback frame inside a collective or barrier (tail only): an interrupt right after
+#              it shows where the process waited
+#   waiting    a process saying it still waits for its peers (tail only): a hang when it repeats
+#              with no progress between and after
+TAGS = ("oom_kill", "exit", "completion", "startup", "text", "needs_exit", "stackdump", "loading", "memreport", "stall",
+        "interrupt", "waitframe", "waiting", "timed")  # fmt: skip  # timed: a fact kept with its time
+TAIL_TAGS = {"startup", "stackdump", "loading", "memreport", "stall", "interrupt", "waitframe", "waiting"}  # tail only
 _REGEX_META = set(".^$*+?{}[]\\|()")
 MAX_USER_PATTERN = 2000
 

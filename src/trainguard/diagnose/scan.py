@@ -25,6 +25,7 @@ from trainguard.diagnose.sources import Source, read_chunks
 from trainguard.diagnose.steplog import StepTimer, parse_step
 
 TAIL_BYTES = 256 << 10
+WAIT_FRAME_LINES = 12  # an interrupt at most this many lines after a collective frame ends that traceback
 MAX_LINE = 8192  # characters of a line kept for matching and evidence (longer: windows, see above)
 MAX_WINDOWS = 64  # keyword windows tried in one huge line
 MAX_HITS = 5000  # per file, per kind (hits, facts): bounded memory on error storms
@@ -84,6 +85,20 @@ class SourceScan:
     progress_at: list[tuple[int, int | None]] = field(default_factory=list)  # (file offset, rank) of progress lines in the tail
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
     clock: Clock = field(default_factory=Clock)  # the last logged time and a later look (lookback.py)
+    stalled: set[int] = field(default_factory=set)  # ranks a stall inspector names as the ones not submitting
+    ready: set[int] = field(default_factory=set)  # ranks a stall inspector names as ready (the others are missing)
+    waits: int = 0  # "still waiting for ranks" lines since the last progress line (rules tagged "waiting")
+
+    @property
+    def stalled_rank(self) -> int | None:
+        """The one rank Horovod's stall inspector says the others wait for: named under "Stalled
+        ranks:" / "Missing ranks:", or the only rank missing from its "[ready ranks: ...]" lists."""
+        if len(self.stalled) == 1:
+            return next(iter(self.stalled))
+        if self.stalled or not self.ready:
+            return None
+        missing = set(range(max(self.ready | self.ranks) + 1)) - self.ready
+        return missing.pop() if len(missing) == 1 else None
 
 
 def _decode(b: bytes) -> str:
@@ -113,7 +128,32 @@ def _groups(m) -> dict[str, str | None]:
 
 # a training metric with its value, in any format (fairseq "loss=9.1", torchtune "Loss: 2.3",
 # pytorch examples "Loss: 0.352"): progress even where no step counter is recognised
-_METRIC = re.compile(r"(?i)(?<![\w/])(?:train[_ ]|lm |total |nll_)?(?:loss|ppl|perplexity|acc|accuracy)\b['\"]?\s*[:=]?\s*['\"]?\d")
+# a compound key counts too: detectron2's "total_loss: 1.6", "triplet_loss=0.69", "softmax_accuracy=0.1"
+_METRIC = re.compile(r"(?i)(?<![\w/])(?:[a-z]{1,24}_|train |lm |total )?(?:loss|ppl|perplexity|acc|accuracy)\b['\"]?\s*[:=]?\s*['\"]?\d")
+# Horovod's stall inspector: "Stalled ranks:" then one "4: [tensor, ...]" line per rank, or
+# "Missing ranks: 4, 7" on one line, or per tensor "[ready ranks: 0, 1, 3]" (the others are missing).
+_STALLED_RANK = re.compile(r"^\s*(\d{1,5}): \[")
+_MISSING_RANKS = re.compile(r"Missing ranks:\s*((?:\d{1,5}(?:,\s*)?)+)")
+_READY_RANKS = re.compile(r"\[ready ranks: ((?:\d{1,5}(?:,\s*)?)+)\]")
+
+
+def stall_ranks(out: SourceScan, msg: str, after_header: bool) -> None:
+    """Collect the ranks a stall inspector line names (``after_header``: the line follows
+    "Stalled ranks:")."""
+    m = _STALLED_RANK.match(msg) if after_header else None
+    if m:
+        out.stalled.add(int(m[1]))
+        return
+    m = _MISSING_RANKS.search(msg) if "Missing ranks" in msg else None
+    if m:
+        out.stalled.update(int(x) for x in re.findall(r"\d+", m[1]))
+    for m in _READY_RANKS.finditer(msg) if "ready ranks" in msg else ():
+        out.ready.update(int(x) for x in re.findall(r"\d+", m[1]))
+
+
+# A step counter followed by other numeric key:value fields on the same line (verl's "step:3 -
+# actor/pg_loss:-0.002 - ...", "global_step=40, lr=..."): a training record in any framework.
+_STEP_RECORD = re.compile(r"\b(?:global_step|step)\s*[:=]\s*[1-9]\d*\b.{0,40}?[\s,|-][\w/.]{1,60}\s*[:=]\s*-?\d")
 
 
 class Scanner:
@@ -177,7 +217,7 @@ class Scanner:
                 raw = buf[start:end]
                 found = None if ids is None or len(raw) > MAX_LINE else [kws[i] for i in ids]
                 if found is not None and ids <= self._fact_only:
-                    self._fact_line(out, ctx, _decode(raw).rstrip("\r"), found, file, order)
+                    self._fact_line(out, ctx, _decode(raw).rstrip("\r"), found, file, order, year)
                     continue
                 head = parse_line(_decode(raw[:4096]).rstrip("\r"), year) if len(raw) > MAX_LINE else None
                 for text, windowed in self._candidates(raw):
@@ -196,6 +236,7 @@ class Scanner:
                         break
         if source.rank is not None:
             out.ranks.add(source.rank)
+        self._file_rank(out, ctx.file_rank())
         data = b"".join(tail)[-TAIL_BYTES:]
         self._scan_tail(data, out, year, None if end_offset is None else end_offset - len(data))
         unranked = {(h.host, h.pid) for h in out.hits if h.rank is None and h.pid is not None and h.host}
@@ -205,11 +246,12 @@ class Scanner:
 
     def _nccl_ranks(self, out: SourceScan, procs: set[tuple[str, int]], max_bytes: int | None) -> None:
         """NCCL lines name a process (host:pid), not a rank. Its communicator init line does
-        (``host:pid:tid [dev] NCCL INFO comm 0x.. rank R nranks N``): read the file again for those
+        (``host:pid:tid [dev] NCCL INFO comm 0x.. rank R nranks N``; NCCL >= 2.19 writes
+        ``ncclCommInitRank comm 0x..``, ``ncclCommSplit comm 0x..``): read the file again for those
         processes only, which costs nothing when no unranked NCCL error was found."""
         alts = b"|".join(re.escape(f"{h}:{p}:".encode()) for h, p in sorted(procs))
         comm = re.compile(
-            rb"(?:^|[\s\]])(" + alts + rb")\d+ \[\d+\] NCCL INFO comm 0x[0-9a-f]+ rank (\d+) nranks \d+"
+            rb"(?:^|[\s\]])(" + alts + rb")\d+ \[\d+\] NCCL INFO (?:ncclComm\w+ )?comm 0x[0-9a-f]+ rank (\d+) nranks \d+"
         )
         ranks: dict[tuple[str, int], int] = {}
         for chunk in read_chunks(out.source.path, max_bytes):
@@ -224,18 +266,22 @@ class Scanner:
                 out.ranks.add(h.rank)
 
     def _fact_line(
-        self, out: SourceScan, ctx: Attribution, text: str, found: list[str], file: str, order: int
+        self, out: SourceScan, ctx: Attribution, text: str, found: list[str], file: str, order: int, year: int
     ) -> None:
-        """A line that can only match facts: its NCCL host/pid and the facts' groups are all it gives."""
+        """A line that can only match facts: its NCCL host/pid and the facts' groups are all it gives
+        (and its time, for facts tagged "timed": one event is matched to another by time)."""
         n = _NCCL_HOST.search(text, 0, 300) if "NCCL" in text else None
         host, pid = (n["host"], int(n["pid"])) if n else (None, None)
         matched = self.rules.match_rules(text, found)
         if matched:
-            info = LineInfo(None, None, host, text, pid)
+            timed = any("timed" in r.tags for r, _ in matched)
+            info = parse_line(text, year) if timed else LineInfo(None, None, host, text, pid)
             self._line(out, ctx, info, matched, text, file, None, None, order)
 
     def _line(self, out: SourceScan, ctx: Attribution, info: LineInfo, matched: list[tuple[Rule, object]],
               text: str, file: str, ln: int | None, off: int | None, order: int) -> None:  # fmt: skip
+        if info.rank is not None and "Traceback (most recent call last)" in info.message:
+            ctx.traceback(info.rank, order)
         for r, m in matched:
             if r.role != "fact":
                 continue
@@ -246,7 +292,7 @@ class Scanner:
             groups = {k: v for k, v in _groups(m).items() if v is not None}
             if groups:
                 ctx.fact(groups, order, info.host, info.pid)
-            elif len(out.facts) < MAX_HITS and not r.tags:
+            elif len(out.facts) < MAX_HITS and set(r.tags) <= {"timed"}:
                 out.facts.append(Hit(r, self._rank(info, out.source, Who()), info.host or out.source.host,
                                      info.time, file, ln, text, info.message, order))  # fmt: skip
         best, bm = next(((r, m) for r, m in matched if r.role != "fact"), (None, None))
@@ -265,6 +311,16 @@ class Scanner:
             out.ranks.add(rank)
 
     @staticmethod
+    def _file_rank(out: SourceScan, rank: int | None) -> None:
+        """The file names one rank as its own (or spawn's failed one): its rankless failures are that rank's."""
+        if rank is None:
+            return
+        for h in out.hits:
+            if h.rank is None:
+                h.rank = rank
+                out.ranks.add(rank)
+
+    @staticmethod
     def _rank(info: LineInfo, source: Source, who: Who) -> int | None:
         for r in (info.rank, source.rank, who.rank):
             if r is not None:
@@ -278,6 +334,10 @@ class Scanner:
                 continue
             for tag in TAIL_TAGS & set(r.tags):
                 out.marks[tag] = (at, raw[:MAX_LINE], {k: v for k, v in m.groupdict().items() if v is not None}, r.id)
+            out.waits += "waiting" in r.tags
+            wait = out.marks.get("waitframe")
+            if "interrupt" in r.tags and wait is not None and at - wait[0] <= WAIT_FRAME_LINES:
+                out.marks["waited"] = wait  # the interrupt ended a traceback waiting there (ending.py)
             out.started = out.started or "startup" in r.tags
 
     def _scan_tail(self, data: bytes, out: SourceScan, year: int, base: int | None = None) -> None:
@@ -286,6 +346,7 @@ class Scanner:
         src = out.source
         timers: dict[int | None, StepTimer] = {}
         nan = NanWatch()
+        header = False
         for at, m in enumerate(re.finditer(rb"[^\r\n]+", data)):
             if m.end() - m.start() > MAX_LINE:
                 continue
@@ -300,14 +361,21 @@ class Scanner:
             if info.time is not None:
                 out.last_time[rank] = info.time
             self._mark(out, at, raw, msg)
-            metric = ("oss" in msg or "cc" in msg or "ppl" in msg) and _METRIC.search(msg) is not None
+            # Horovod's "3: [tensor]" list entry reads like srun -l's "3: " prefix: the whole line names the rank
+            entry = raw if header and _STALLED_RANK.match(msg) is None else msg
+            stall_ranks(out, entry, header)
+            header = msg.rstrip().endswith("Stalled ranks:") or (header and _STALLED_RANK.match(entry) is not None)
+            metric = (("oss" in msg or "cc" in msg or "ppl" in msg) and _METRIC.search(msg) is not None) or (
+                "step" in msg and _STEP_RECORD.search(msg) is not None)
             if metric:
-                out.last_metric_at = at
+                out.last_metric_at, out.waits = at, 0
             st = step_of(msg)
             if st is not None:
                 out.last_step, out.last_step_line, out.last_step_at = st, raw, at
                 out.styles.add(st.style)
             training = st is not None and st.n and not (st.style == "tqdm" and DATA_BAR.search(raw))
+            if training:
+                out.waits = 0
             out.clock.feed(at, raw, info.time, bool(metric or training))
             if base is not None and (metric or training) and len(out.progress_at) < MAX_STEP_SAMPLES:
                 out.progress_at.append((base + m.start(), rank))

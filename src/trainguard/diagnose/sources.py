@@ -62,10 +62,16 @@ def describe(path: Path) -> Source:
         rank = int(path.parent.name)
     host = None
     named = _DIAG_AFFIX.sub("", stem) or stem
-    if m is None and stem.lower() not in _GENERIC and _HOSTY.match(named) and not _NOT_HOST.match(named):
+    parent = path.parent.name if path.parent.name and _HOSTY.match(path.parent.name) \
+        and not path.parent.name.startswith("attempt") else None  # fmt: skip
+    # a log's own name that starts with a generic word (train_sft_node1.log) in a host-like folder
+    # (GPU01/): the per-host folder layout names the host; the file name only tells the logs apart
+    generic_name = re.split(r"[-_.]", stem, maxsplit=1)[0].lower() in _GENERIC and parent is not None
+    if m is None and stem.lower() not in _GENERIC and _HOSTY.match(named) and not _NOT_HOST.match(named) \
+            and not generic_name:  # fmt: skip
         host = named
-    elif path.parent.name and _HOSTY.match(path.parent.name) and not path.parent.name.startswith("attempt"):
-        host = path.parent.name
+    elif parent is not None:
+        host = parent
     try:
         year = time.localtime(path.stat().st_mtime).tm_year
     except OSError:
