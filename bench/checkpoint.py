@@ -1,6 +1,7 @@
 """Training stall of ``trainguard.checkpoint.save`` vs a synchronous ``torch.save`` of the same state.
 
     python bench/checkpoint.py [--state-mb 128] [--every 5] [--pairs 4] [--repeats 4] [--json FILE]
+                               [--replication-rounds 4] [--replication-only]
 
 One process trains an MLP with Adam on CPU (model + optimizer state of about --state-mb MB) and
 checkpoints with each backend in turn, rounds interleaved so that machine noise hits all alike:
@@ -32,7 +33,12 @@ window's per step. Memory-bandwidth contention is not in the accounted figure.
 It prints, per backend, the stall per save and the ratio to torch.save; the steps lost per
 failure when each backend may spend 5 % of the training time on checkpoints; and at this run's
 save interval the steps lost when a process fails (the in-memory snapshot survives) and when the
-node is lost (only what the agent had persisted: the persist latency adds to it). Last, the copy
+node is lost (only what the agent had persisted: the persist latency adds to it). Then buddy
+replication (``--ckpt-replicas``): the bytes it sends per step, the CPU its sending and receiving
+take per snapshot, and the median step time with and without it, in rounds of the same run
+ordered off, on, on, off, ... (one sender process, started and stopped between rounds), and the
+steps lost with it when the node is lost (a snapshot's lag until its buddy holds it, instead of
+the persist latency); ``--replication-only`` measures just that (a shorter run). Last, the copy
 floor: the state's bytes copied once into shared memory, alone; on a machine whose training keeps
 every core and the memory bus busy, no snapshot that copies the state stalls less than that.
 """
@@ -64,6 +70,87 @@ def agent_main(run_dir: str, ckpt_dir: str, shm_root: str) -> None:
     print(json.dumps(mon.worker_env(Path(run_dir))), flush=True)
     sys.stdin.read()
     mon.close()
+
+
+def replicate_main(shm_dir: str, buddy_root: str) -> None:
+    """Stand-in for the agent's replication: a Replicator sending the snapshots in ``shm_dir``
+    (at the agent's background priority) to a ReplicaServer on loopback. Commands on stdin, each
+    answered "ok": "on" starts the sender, "off" stops it (after the transfer in flight: its cost
+    stays in the "on" rounds); at EOF its stats as JSON. The buddy receives on this machine too (on
+    a job it is another node's agent): the cost measured here includes the receiving side's CPU, a
+    pessimistic figure."""
+    from trainguard.checkpoint.replica import Buddy, ReplicaServer, Replicator
+
+    key = os.urandom(32)
+    server = ReplicaServer(Path(buddy_root), "127.0.0.1", key)
+    rep = Replicator(Path(shm_dir), "bench", key, lambda *a, **k: None)
+    rep.set_buddies([Buddy("buddy", server.addr, server.port)])
+    cpu0 = sum(os.times()[:2])
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "on":
+            rep.start()
+        else:
+            rep.stop()
+        print("ok", flush=True)
+    rep.stop()
+    server.close()
+    out = rep.stats.to_json()
+    out["cpu_s"] = sum(os.times()[:2]) - cpu0  # sender and receiver together: a low-noise measure of the work
+    print(json.dumps(out), flush=True)
+
+
+def replication_cost(rounds: int, steps: int, every: int, model, opt, step_fn, ckpt, shm_root: Path,
+                     step: int) -> tuple[dict, int]:
+    """Step times (the save steps included) with buddy replication off and on, in rounds of
+    ``steps`` steps saving every ``every``, ordered off, on, on, off, ... (drift on a shared
+    machine hits both alike): what replicating costs training, same run."""
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu = {"off": 0.0, "on": 0.0}  # the training process's own CPU seconds (cache and memory-bus contention show here)
+    buddy = Path(tempfile.mkdtemp(prefix="tg-bench-buddy-", dir=shm_root))
+    rep = subprocess.Popen([sys.executable, __file__, "--replicate", str(ckpt.shm_dir), str(buddy)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert rep.stdin is not None and rep.stdout is not None and rep.stdout.readline().strip() == "ready"
+    for r in range(2 * rounds):
+        mode = ("off", "on", "on", "off")[r % 4]
+        rep.stdin.write(mode + "\n")
+        rep.stdin.flush()
+        assert rep.stdout.readline().strip() == "ok"
+        cpu0 = sum(os.times()[:2])
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step_fn()
+            step += 1
+            if step % every == 0:
+                ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step)
+            times[mode].append(time.perf_counter() - t0)
+        cpu[mode] += sum(os.times()[:2]) - cpu0
+    out, _ = rep.communicate(timeout=300)
+    st = json.loads(out.strip().splitlines()[-1])
+    snaps = max(1, st["snapshots"])
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {"step_off_ms": off * 1e3, "step_on_ms": on * 1e3, "ratio": on / off,
+            "iqr_off_ms": _iqr(times["off"]) * 1e3, "iqr_on_ms": _iqr(times["on"]) * 1e3,
+            "bytes_per_step": st["bytes"] / (rounds * steps), "bytes_per_snapshot": st["bytes"] / snaps,
+            "cpu_ms_per_snapshot": 1e3 * st["cpu_s"] / snaps, "train_cpu_ratio": cpu["on"] / max(cpu["off"], 1e-9),
+            "lag_s": st["median_lag_s"], "every": every, "rounds": rounds, "steps": steps}, step
+
+
+def print_replication(rep: dict, step_s: float) -> None:
+    print(f"\nbuddy replication (--ckpt-replicas 1), saving every {rep['every']} steps, {rep['rounds']} rounds of "
+          f"{rep['steps']} steps each way (off, on, on, off, ...):")
+    print(f"  bytes sent per step: {rep['bytes_per_step'] / 1e6:.1f} MB ({rep['bytes_per_snapshot'] / 1e6:.1f} MB per snapshot); "
+          f"CPU of sending and receiving: {rep['cpu_ms_per_snapshot']:.1f} ms per snapshot")
+    print(f"  median step (save steps included): without {rep['step_off_ms']:.1f} ms (IQR {rep['iqr_off_ms']:.1f}), "
+          f"with {rep['step_on_ms']:.1f} ms (IQR {rep['iqr_on_ms']:.1f}): ratio {rep['ratio']:.3f} (goal <= 1.05)")
+    print(f"  the training process's own CPU time, with / without: {rep['train_cpu_ratio']:.3f} (what sharing the caches "
+          "and the memory bus costs it; the CPU the replication takes from it on a full machine is not in it)")
+    if rep["lag_s"] is not None:
+        lag = rep["lag_s"] / step_s
+        every = rep["every"]
+        rep["lag_steps"] = lag
+        print(f"  node lost, with replication: {every / 2 + lag:.1f}, {every + math.ceil(lag)} steps (average, worst): "
+              f"a snapshot is at its buddy {lag:.1f} steps after its save, median; saving every step: <= {1 + math.ceil(lag)}")
 
 
 def build(state_mb: float):
@@ -220,10 +307,18 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=4, help="interleaved rounds")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir on the current disk)")
     p.add_argument("--json", default=None, help="also write the numbers to this file")
+    p.add_argument("--replication-rounds", type=int, default=4,
+                   help="rounds each way (off, on) of the replication cost; 0: not measured")
+    p.add_argument("--replication-only", action="store_true",
+                   help="measure only the replication cost (skips the backends' rounds: a bounded, quicker run)")
     p.add_argument("--agent", nargs=3, metavar=("RUN_DIR", "CKPT_DIR", "SHM_ROOT"), help=argparse.SUPPRESS)
+    p.add_argument("--replicate", nargs=2, metavar=("SHM_DIR", "BUDDY_ROOT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.agent:
         agent_main(*args.agent)
+        return 0
+    if args.replicate:
+        replicate_main(*args.replicate)
         return 0
 
     import torch
@@ -245,6 +340,16 @@ def main() -> int:
         print(f"state {nbytes / 1e6:.0f} MB (model + Adam), torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, checkpoints in {base}")
         step = 0
+        if args.replication_only:
+            for step in (1, 2, 3):  # warm-up: the first saves allocate the shm slots
+                ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step)
+            step_s = statistics.median(window(step_fn, 20))
+            rep, step = replication_cost(max(1, args.replication_rounds), 4 * args.every, 2 * args.every, model, opt,
+                                         step_fn, ckpt, shm_root, step)
+            print_replication(rep, step_s)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"step_ms": step_s * 1e3, "replication": rep}, indent=1))
+            return 0
         for b in BACKENDS:  # warm-up: first saves allocate the shm slots and the files
             _, step = run(b, 1, 2, model, opt, step_fn, ckpt, base / "torch.pt", ckpt_dir, step, agent.pid)
         got: dict[str, dict[str, list[float]]] = {b: {} for b in BACKENDS}
@@ -309,6 +414,10 @@ def main() -> int:
             out["backends"][b]["persist_steps"] = lat
             print(f"  node lost, {b}: {every / 2 + lat:.1f}, {every + math.ceil(lat)} "
                   f"(a checkpoint is on disk {lat:.1f} steps after its save, median)")
+        if args.replication_rounds > 0:
+            rep, step = replication_cost(args.replication_rounds, 4 * every, every, model, opt, step_fn, ckpt, shm_root, step)
+            print_replication(rep, step_s)
+            out["replication"] = rep
         for b in (TG, OVERLAP):
             print(f"agent CPU per persisted checkpoint, {b}: {out['backends'][b]['agent_cpu_ms']:.1f} ms (median)")
         print("noise: interquartile range of the after-window extra: "

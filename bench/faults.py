@@ -13,6 +13,15 @@ Each fault is injected with `trainguard chaos` into a job that trains; one row p
   survived           the job finished on the remaining nodes, <= 1 step lost, no process and no
                      shared memory of the job left
 
+kill-node-standby (DDP, the disk held back as below) starts a fourth agent with --standby beside
+the three: it joins the rendezvous once the job's round of three formed, waits, takes n3's place when n3 is killed, and the job goes on at world size 3 (its note says
+which node was promoted, the world sizes after the kill, and where the lost rank's step came
+from; the row fails without the promotion and the kept world size).
+
+kill-node-sharded and kill-buddy-then-node train FSDP2 (`--fsdp`: each rank holds only its shards)
+with the disk held back (`--ckpt-write-limit 0.5`): a lost node's shards of a recent step exist only
+in its buddies' memory (`--ckpt-replicas`); their note says where the lost ranks' step came from.
+
 A slow network (net-loss, net-slow, net-delay) is "slow, not dead": the job must finish on all
 three nodes (its verdict says how much slower rank 0's steps got, and any slowdown_detected /
 straggler_detected), nothing declared node_lost, <= 1 step lost.
@@ -63,6 +72,13 @@ VERDICT_KINDS = ("node_lost", "worker_failed", "worker_lost_peer", "checkpoint_f
 # fault -> (the node it hits, trainguard chaos arguments)
 FAULTS: dict[str, tuple[int, list[str]]] = {
     "kill-node": (3, ["kill", "--node", "n3", "--what", "node"]),
+    # FSDP2 (fully_shard on gloo): n3's shards exist only on n3 and in its buddy's memory
+    "kill-node-sharded": (3, ["kill", "--node", "n3", "--what", "node"]),
+    # a fourth agent waits as a warm standby (--standby): it takes n3's place, the world stays 3
+    "kill-node-standby": (3, ["kill", "--node", "n3", "--what", "node"]),
+    # the node of group rank 0 (n3's... see BUDDY_FIRST) dies, then the node of group rank 2 whose
+    # first buddy it was: the last node must find the lost shards at their second buddy (itself)
+    "kill-buddy-then-node": (3, ["kill", "--node", "n3", "--what", "node"]),
     "net-cut": (3, ["net-cut", "--node", "n3", "--duration", "600"]),
     "agent-kill": (3, ["kill", "--node", "n3", "--what", "agent"]),
     "store-host-kill": (1, ["kill", "--node", "n1", "--what", "node"]),
@@ -82,10 +98,21 @@ RATE_KBIT = 500.0
 NOTICED = ("slowdown_detected", "straggler_detected")
 
 
-KILLS = ("kill-node", "store-host-kill")
+KILLS = ("kill-node", "store-host-kill", "kill-node-sharded", "kill-buddy-then-node", "kill-node-standby")
+SHARDED = ("kill-node-sharded", "kill-buddy-then-node")  # train with FSDP2: state differs per rank
+# kill-buddy-then-node: every node replicates to both others, the job may shrink to one node, and
+# the rendezvous is etcd's (in a namespace of its own) so that any node may die.
+BUDDY_FIRST = "kill-buddy-then-node"
+STANDBY = "kill-node-standby"  # n4 joins as a standby once the round of three formed
+# the disk held back (a bigger state persisted at 0.5 MB/s): the lost ranks' recent step is only in a replica
+HELD_BACK = (*SHARDED, STANDBY)
+# corrupt-ckpt injects only once a checkpoint is on disk, and the disk lags memory under load (its
+# corruption landed at step 41, the kill at 51, in a --jobs 2 run at load 20): it trains at least
+# this many steps whatever --steps says, so that the job is still training when both land.
+CORRUPT_MIN_STEPS = 100
 # Seconds each case took with --jobs 2 --steps 100 (2026-11-25, 2-core VM): the order cases start in
 # with --jobs > 1. net-slow trains its last 85 steps at a quarter of the speed.
-CASE_S = {"net-slow": 61, "net-cut": 45, "corrupt-ckpt": 39, "store-host-kill": 35, "net-loss": 33, "kill-node": 32,
+CASE_S = {"kill-node-standby": 40, "kill-buddy-then-node": 62, "kill-node-sharded": 60, "net-slow": 61, "net-cut": 45, "corrupt-ckpt": 39, "store-host-kill": 35, "net-loss": 33, "kill-node": 32,
           "disk-full": 32, "agent-kill": 28, "net-delay": 30}  # fmt: skip
 
 
@@ -196,7 +223,7 @@ def _slow_verdict(run: Path, t0: float) -> str:
 def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
     row = Row(fault)
     victim, chaos_args = FAULTS[fault]
-    backend = args.rdzv if args.rdzv != "auto" else ("etcd-v2" if fault == "store-host-kill" else "c10d")
+    backend = args.rdzv if args.rdzv != "auto" else ("etcd-v2" if fault in ("store-host-kill", BUDDY_FIRST) else "c10d")
     if backend == "etcd-v2" and etcd_server.available():
         row.verdict, row.note = "not runnable here", str(etcd_server.available())
         return row
@@ -223,8 +250,8 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
     # Each node's own tmpfs for snapshots, as real nodes have: the namespaces share this host's
     # /dev/shm, where an agent of another case (--jobs) would take a killed agent's snapshots as
     # "the next agent on the node" and leave this case's own check nothing to find.
-    shm_roots = {i: Path(tempfile.mkdtemp(prefix=f"tgfaults-{fault}-n{i}-", dir="/dev/shm")) for i in (1, 2, 3)}
-    bed = testbed.Testbed(3, extra=1 if backend == "etcd-v2" else 0)
+    shm_roots = {i: Path(tempfile.mkdtemp(prefix=f"tgfaults-{fault}-n{i}-", dir="/dev/shm")) for i in (1, 2, 3, 4)}
+    bed = testbed.Testbed(3, extra=1 if backend == "etcd-v2" or fault == STANDBY else 0)
     try:
         endpoint = f"{bed.nodes[0].addr}:29400"
         if backend == "etcd-v2":  # etcd in a namespace of its own: no training node hosts the rendezvous
@@ -232,42 +259,51 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
             etcd = etcd_server.EtcdServer(work / fault / "etcd", host=server.addr, prefix=server.exec_prefix())
             endpoint = etcd.endpoint
         for node in bed.nodes[:3]:
-            cmd = [
-                *node.exec_prefix(), sys.executable, "-m", "trainguard", "run", "--nnodes", "2:3", "--nproc-per-node", "1",
-                "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", fault,
-                "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
-                "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
-                "--ckpt-shm-dir", str(shm_roots[node.index]),
-                str(EXAMPLE), "--steps", str(args.steps), "--step-time-ms", "50", "--ckpt", "trainguard", "--ckpt-every", "1",
-            ]  # fmt: skip
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname}
-            out = open(work / fault / f"n{node.index}.out", "wb")  # noqa: SIM115
-            agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            agents.append(_start_agent(node, _agent_cmd(node, fault, backend, endpoint, run, ckpt, shm_roots, args), work / fault))
             if node.index == 1 and backend == "c10d":
                 time.sleep(1.0)  # node 1 hosts the store: let it bind first
+        if fault == STANDBY:  # a fourth agent at the same time: it joins only once the job's round formed
+            n4 = bed.nodes[3]
+            agents.append(_start_agent(n4, _agent_cmd(n4, fault, backend, endpoint, run, ckpt, shm_roots, args, standby=True), work / fault))
         formed = wait(lambda: [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3
                                and e.evidence["group_rank"] == 0], "all three nodes in one round")  # fmt: skip
         if fault == "store-host-kill" and backend == "etcd-v2":  # the node of group rank 0 hosts the workers' store
             victim = int(formed[0].node[1:])
             chaos_args = ["kill", "--node", f"n{victim}", "--what", "node"]
+        also: set[int] = set()  # nodes killed before the victim (kill-buddy-then-node: its buddy)
+        if fault == BUDDY_FIRST:
+            victim, buddy = _victim_and_buddy(run)
+            also = {buddy}
+            chaos_args = ["kill", "--node", f"n{victim}", "--what", "node"]
         row.fault = f"{fault} ({backend})" if fault == "store-host-kill" else fault
+        if fault == STANDBY:
+            wait(lambda: [e for e in events(run) if e.kind == "standby_joined"], "the standby waiting")
         wait(lambda: max((s for s, _ in steps(run)), default=0) >= 15, "step 15")
         if fault == "corrupt-ckpt":
             wait(lambda: list(ckpt.glob("step-*/rank-00000.json")), "a persisted checkpoint")
+        # kill-buddy-then-node: both nodes' workers are frozen first (SIGSTOP), so that neither
+        # fails of the other's death before its own kill (chaos acts only on live workers); then
+        # the buddy is killed, and the node right after it.
+        for k in (*also, victim) if also else ():
+            subprocess.run([sys.executable, "-m", "trainguard", "chaos", str(run), "stop", "--node", f"n{k}"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        for k in also:
+            subprocess.run([sys.executable, "-m", "trainguard", "chaos", str(run), "kill", "--node", f"n{k}", "--what", "node"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "trainguard", "chaos", str(run), *chaos_args],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         if done.returncode != 0:
             row.note = done.stderr.strip()
             row.verdict = "not runnable here"
             return row
-        injected = [e for e in events(run) if e.kind == "chaos_injected"][-1]
-        t0 = injected.time
+        t0 = min(e.time for e in events(run) if e.kind == "chaos_injected" and not e.message.startswith("chaos stop"))
         if fault == "corrupt-ckpt":  # the corruption matters when the rank resumes: kill it
             subprocess.run([sys.executable, "-m", "trainguard", "chaos", str(run), "kill", "--rank", "0"],
                            capture_output=True, timeout=120)  # fmt: skip
             t0 = [e for e in events(run) if e.kind == "chaos_injected"][-1].time
         slow = fault in SLOW
-        survivors = [a for a in agents] if victim == 0 or slow else [a for i, a in enumerate(agents, 1) if i != victim]
+        killed = {victim, *also}
+        survivors = [a for a in agents] if victim == 0 or slow else [a for i, a in enumerate(agents, 1) if i not in killed]
         for a in survivors:
             try:
                 a.wait(timeout=DEADLINE)
@@ -280,7 +316,7 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
                 agents[victim - 1].wait(timeout=120)
             except subprocess.TimeoutExpired:
                 row.note = f"node n{victim} did not leave after the job ended"
-        evs = [e for e in events(run) if e.time >= t0 and e.kind in VERDICT_KINDS and (slow or e.node != f"n{victim}")]
+        evs = [e for e in events(run) if e.time >= t0 and e.kind in VERDICT_KINDS and (slow or e.node not in {f"n{k}" for k in killed})]
         if slow and not evs:
             row.verdict = _slow_verdict(run, t0)
         elif evs:
@@ -306,14 +342,21 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         # A killed node's snapshot in /dev/shm is that node's memory, gone with it on a real machine
         # (here the nodes share the host's /dev/shm; its next agent there would remove it): not
         # counted, removed below. Every other node's must be gone.
-        gone = {agents[victim - 1].pid} if victim and fault in KILLS else set()
+        gone = {agents[k - 1].pid for k in killed} if victim and fault in KILLS else set()
         if fault == "agent-kill":  # the node lives on: what its next agent does first (issue 18.12)
             rescued = rescue_like_the_next_agent(agents[victim - 1].pid, ckpt, shm_roots[victim])
             rescue = f"next agent on n{victim} rescued {rescued} snapshot dir(s) the killed one held"
             row.note = f"{rescue}; {row.note}" if row.note else rescue
         shm_left = [n for n in os.listdir("/dev/shm") if any(str(a.pid) in n for a in agents if a.pid not in gone)]
-        shm_left += [n for i, root in shm_roots.items() if not (i == victim and fault in KILLS) for n in os.listdir(root)]
-        row.survived = bool(finished) and not left and not shm_left and (row.lost or 0) <= 1 and not (slow and evs)
+        shm_left += [n for i, root in shm_roots.items() if not (i in killed and fault in KILLS) for n in os.listdir(root)]
+        if fault in HELD_BACK:  # where the lost ranks' state came from: a buddy's replica, or disk
+            source = _shards_from(run, t0, killed)
+            row.note = f"{source}; {row.note}" if row.note else source
+        kept = True
+        if fault == STANDBY:
+            said, kept = _standby_took_over(run, t0)
+            row.note = f"{said}; {row.note}" if row.note else said
+        row.survived = bool(finished) and kept and not left and not shm_left and (row.lost or 0) <= 1 and not (slow and evs)
         if not finished:
             row.note = row.note or f"exit codes {codes}"
         elif left or shm_left:
@@ -341,6 +384,74 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         bed.close()
         if mounted:
             subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+def _agent_cmd(node: testbed.Node, fault: str, backend: str, endpoint: str, run: Path, ckpt: Path,
+               shm_roots: dict[int, Path], args: argparse.Namespace, standby: bool = False) -> list[str]:
+    return [
+        *node.exec_prefix(), sys.executable, "-m", "trainguard", "run", "--nproc-per-node", "1",
+        "--nnodes", "1:3" if fault == BUDDY_FIRST else "2:3", *(["--ckpt-replicas", "2"] if fault == BUDDY_FIRST else []),
+        # sharded rows: a state of ~0.4 MB per rank persisted at 0.5 MB/s, so the disk lags
+        # many steps behind memory as it does under load (issue 31): only a replica is recent
+        *(["--ckpt-write-limit", "0.5"] if fault in HELD_BACK else []),
+        "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", fault,
+        "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
+        "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
+        "--ckpt-shm-dir", str(shm_roots[node.index]), *(["--standby"] if standby else []),
+        str(EXAMPLE), "--steps", str(_steps(fault, args.steps)), "--step-time-ms", "50", "--ckpt", "trainguard", "--ckpt-every", "1",
+        *(["--hidden", "512"] if fault in HELD_BACK else []), *(["--fsdp"] if fault in SHARDED else []),
+    ]  # fmt: skip
+
+
+def _start_agent(node: testbed.Node, cmd: list[str], out_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname}
+    with open(out_dir / f"n{node.index}.out", "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _standby_took_over(run: Path, t0: float) -> tuple[str, bool]:
+    """kill-node-standby: whether the standby took the lost node's place and the job trained on
+    at the world size it had (every start after the kill at 3 nodes)."""
+    promoted = [e for e in events(run) if e.kind == "standby_promoted" and e.time >= t0]
+    started = [e for e in events(run) if e.kind == "job_started" and e.time >= t0]
+    worlds = sorted({e.evidence["group_world_size"] for e in started})
+    kept = bool(promoted) and worlds == [3]
+    who = f"standby {promoted[0].evidence['node']} promoted" if promoted else "no standby promoted"
+    return f"{who}; world size after the kill {worlds or '-'}" + ("" if kept else " (not kept)"), kept
+
+
+def _steps(fault: str, steps: int) -> int:
+    return max(steps, CORRUPT_MIN_STEPS) if fault == "corrupt-ckpt" else steps
+
+
+def _victim_and_buddy(run: Path) -> tuple[int, int]:
+    """kill-buddy-then-node: the node of group rank 2 and its first buddy, the next in the
+    rendezvous order (group rank 0), from the round all three formed."""
+    def ranks() -> dict[int, int]:
+        formed = [e for e in events(run) if e.kind == "job_started" and e.evidence["group_world_size"] == 3]
+        return {e.evidence["group_rank"]: int(e.node[1:]) for e in formed}
+
+    by_rank = wait(lambda: ranks() if len(ranks()) == 3 else None, "every node's start in the round of three")
+    return by_rank[2], by_rank[0]
+
+
+def _shards_from(run: Path, t0: float, killed: set[int]) -> str:
+    """Which copy of the killed nodes' shards the survivors resumed from, from the survivors'
+    events: a replica of that step one of them held at the breakpoint (written to disk there unless
+    the lost node had persisted it itself), else disk."""
+    lost = {f"n{k}" for k in killed}
+    loaded = [e for e in events(run) if e.time >= t0 and e.kind == "checkpoint_loaded"]
+    step = loaded[0].evidence.get("step") if loaded else None
+    holders, ranks = set(), set()
+    for e in events(run):
+        if e.time >= t0 and e.kind == "checkpoint_replicas_held" and e.node not in lost:
+            for node, held in e.evidence.get("nodes", {}).items():
+                if node in lost and step in held.get("steps", []):
+                    holders.add(e.node)
+                    ranks.update(held.get("ranks", []))
+    if holders:
+        return f"lost rank(s) {sorted(ranks)} of step {step} from the replica on {', '.join(sorted(holders))}"
+    return f"step {step}: lost ranks' shards from disk (no replica of that step)"
 
 
 def fmt(v) -> str:

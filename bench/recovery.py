@@ -112,8 +112,11 @@ def command(name: str, workdir: Path, steps: int, restarts: int, prestart: str) 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", str(restarts), *job]  # fmt: skip
     else:
+        # --restart-loop-attempts 0: back-to-back kills before a new snapshot are, to the guard, a
+        # restart loop (the same signal, no step passed); this bench makes them on purpose.
         cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", str(restarts), "--run-dir", str(run_dir), "--prestart-workers", prestart, *job]  # fmt: skip
+               "--max-restarts", str(restarts), "--restart-loop-attempts", "0", "--run-dir", str(run_dir),
+               "--prestart-workers", prestart, *job]  # fmt: skip
     return cmd, env, run_dir
 
 

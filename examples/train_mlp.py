@@ -14,6 +14,7 @@ import atexit
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every K steps (0: never)")
     p.add_argument("--ckpt-dir", default=None, help="default: $TRAINGUARD_RUN_DIR/ckpt or ./ckpt")
     p.add_argument("--ckpt", choices=["torch", "trainguard"], default="torch", help="checkpoint backend")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 (fully_shard) instead of DDP: each rank holds only its shards; "
+                        "needs --ckpt trainguard, which reshards them when the world size changes")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank's compute takes --slow-factor times longer")
     p.add_argument("--slow-factor", type=float, default=1.0)
     p.add_argument("--hidden", type=int, default=64)
@@ -44,6 +48,10 @@ def parse_args() -> argparse.Namespace:
         "leave with exit code 0 (early); abort-at-exit: train to the end, then abort in the interpreter's teardown",
     )
     p.add_argument("--fail-always", action="store_true", help="fail on every attempt (default: first only)")
+    p.add_argument("--hang-file", default=None,
+                   help="when this file appears, the rank that sees it first takes it and sleeps before its next "
+                        "all-reduce (bench/soak.py's sleep-before-collective hang; bounded at 1 h)")  # fmt: skip
+    p.add_argument("--timeout-s", type=float, default=None, help="the process group's timeout (default: torch's)")
     return p.parse_args()
 
 
@@ -84,6 +92,38 @@ def load_torch(path: Path, model: nn.Module, opt: torch.optim.Optimizer, device:
     return int(state["step"])
 
 
+def shard(model: MLP, device: torch.device):
+    """FSDP2: every Linear and the whole model sharded over all ranks (one mesh dimension)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh, model
+
+
+def get_state(model: nn.Module, opt: torch.optim.Optimizer, step: int, sharded: bool) -> dict:
+    if not sharded:
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)  # DTensor shards: this rank's part only
+    return {"model": msd, "optim": osd, "step": step}
+
+
+def put_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict, sharded: bool) -> None:
+    if not sharded:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        return
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def maybe_fail(args: argparse.Namespace, rank: int, step: int) -> None:
     if rank != args.fail_rank or step != args.fail_step:
         return
@@ -118,10 +158,24 @@ def maybe_fail(args: argparse.Namespace, rank: int, step: int) -> None:
     raise RuntimeError(f"injected failure at step {step} on rank {rank}")
 
 
+def maybe_hang(hang_file: str | None) -> None:
+    """Take the hang file (so that a restarted worker does not hang again) and sleep: the other
+    ranks wait in the gradient all-reduce. Bounded, as every injected fault."""
+    if hang_file is None:
+        return
+    try:
+        os.unlink(hang_file)
+    except OSError:  # not there, or another rank took it
+        return
+    print(f"injecting failure (hang-file) rank={dist.get_rank()}", flush=True)
+    time.sleep(3600)
+
+
 def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    timeout = {} if args.timeout_s is None else {"timeout": timedelta(seconds=args.timeout_s)}
+    dist.init_process_group("nccl" if use_cuda else "gloo", **timeout)
     rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
@@ -133,18 +187,23 @@ def main() -> None:
         pad_s *= args.slow_factor
     torch.manual_seed(0)
     model = MLP(args.hidden, pad_s).to(device)
-    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    mesh = None
+    if args.fsdp:
+        if args.ckpt != "trainguard":
+            sys.exit("--fsdp needs --ckpt trainguard")
+        mesh, ddp = shard(model, device)
+    else:
+        ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     ckpt = None
     if args.ckpt == "trainguard":
         from trainguard import checkpoint as ckpt
 
-        state = ckpt.load_latest()
+        state = ckpt.load_latest(mesh=mesh)
         start = 0
         if state is not None:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
+            put_state(model, opt, state, args.fsdp)
             start = int(state["step"])
     else:
         start = load_torch(ckpt_path(args), model, opt, device)
@@ -153,15 +212,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234 + rank)
     for step in range(start + 1, args.steps + 1):
         maybe_fail(args, rank, step)
+        maybe_hang(args.hang_file)
         x = torch.randn(args.batch, 16, generator=gen).to(device)
         y = x.sum(dim=1, keepdim=True).to(device)
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         opt.step()
-        print(f"step={step} rank={rank} t={time.time():.3f} loss={loss.item():.4f}", flush=True)
+        print(f"step={step} rank={rank} t={time.time():.3f} loss={loss.item():.4f} world={dist.get_world_size()}", flush=True)
         if args.ckpt_every and step % args.ckpt_every == 0:
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+            state = get_state(model, opt, step, args.fsdp)
             if ckpt is not None:
                 ckpt.save(state, step)
             elif rank == 0:

@@ -37,3 +37,20 @@ def test_sigint_to_a_background_agent_stops_workers_that_ignore_it(jobs, tmp_pat
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     [failed] = events(run, "job_failed")
     assert "stopped by SIGINT" in failed.message
+
+
+def test_sighup_to_an_agent_under_nohup_is_ignored_as_nohup_promises(jobs, tmp_path):
+    """`nohup trainguard run ...`: the terminal closing (SIGHUP) must not stop the job. Both the
+    agent's own handlers and torch's PContext.start used to register SIGHUP over nohup's SIG_IGN."""
+    run = tmp_path / "run"
+    job = jobs("run", "--standalone", "--nproc-per-node", "2", "--run-dir", run, "--precheck", "off", "--quiet",
+               EXAMPLE, "--steps", "150", "--step-time-ms", "40", prefix=["nohup"])  # fmt: skip
+    started = wait_event(run, "job_started")
+    agent = psutil.Process(job.proc.pid)
+    assert ignores(agent.pid, signal.SIGHUP)  # nohup's promise, kept after the agent set its handlers
+    workers = [psutil.Process(int(p)) for p in started.evidence["pids"].values()]
+    os.kill(agent.pid, signal.SIGHUP)
+    for w in workers:
+        os.kill(w.pid, signal.SIGHUP)  # a hangup reaches the whole session
+    assert job.wait() == 0, job.output()[-3000:]
+    assert events(run, "job_succeeded") and not events(run, "job_failed")

@@ -50,6 +50,24 @@ def test_pruning_never_follows_a_symlinked_step_dir(tmp_path, shm_root):
     assert [s for s in disk.list_steps(ckpt, 0) if s > 1] == [4, 3]  # the job's own steps pruned as usual
 
 
+def test_a_snapshot_is_never_written_through_a_planted_symlink(tmp_path, shm_root):
+    """A ``step-*`` link, or a link at the temp name this process will write, planted in a shared
+    checkpoint dir: the persist refuses that step (or writes around the link) and writes nothing
+    outside; the other steps persist as usual."""
+    elsewhere, ckpt = tmp_path / "elsewhere", tmp_path / "ckpt"
+    elsewhere.mkdir()
+    ckpt.mkdir()
+    disk.step_dir(ckpt, 2).symlink_to(elsewhere, target_is_directory=True)
+    bait = elsewhere / "bait"
+    disk.step_dir(ckpt, 3).mkdir()
+    tmp = disk.step_dir(ckpt, 3) / (disk.manifest_name(0) + f"{disk._TMP_MARK}{disk.socket.gethostname()}-{os.getpid()}")
+    tmp.symlink_to(bait)
+    _persist_steps(ckpt, shm_root, [1, 2, 3], keep=5)
+    assert list(elsewhere.iterdir()) == []  # nothing reached through either link
+    assert disk.list_steps(ckpt, 0) == [3, 1]  # step 2 refused; step 3 written beside the planted name
+    assert disk.verify_checkpoint(ckpt, 0, 3)["step"] == 3
+
+
 @pytest.mark.parametrize("keep", [0, 1, -1])
 def test_prune_keeps_the_newest_whatever_keep_says(tmp_path, shm_root, keep):
     ckpt = tmp_path / "ckpt"

@@ -456,3 +456,23 @@ def test_checkpoint_old_world_snapshots_are_freed_once_every_new_rank_saved(moni
     assert sorted(p.name for p in shm.glob("rank-*")) == ["rank-00000.slot0", "rank-00000.slot1"]
     assert new.load_latest()["step"] == 2
     new.close()
+
+
+def test_checkpoint_nan_replay_skips_states_holding_non_finite_values(monitor, monkeypatch):
+    """A NaN replay (TRAINGUARD_CKPT_FINITE_ONLY, set by the agent) resumes from the newest state
+    before the NaN, in memory and on disk; without it the newest state is taken as always."""
+    mon, env, store, ctx = monitor
+    w = worker(env)
+    spoilt = state_at(3)
+    spoilt["w"][7] = float("nan")
+    for step, state in ((1, state_at(1)), (2, state_at(2)), (3, spoilt)):
+        assert w.save(state, step)
+        mon._persister.run_pass()
+    assert w.load_latest()["step"] == 3
+    monkeypatch.setenv("TRAINGUARD_CKPT_FINITE_ONLY", "1")
+    got = w.load_latest()
+    assert got["step"] == 2 and torch.equal(got["w"], torch.full((1000,), 2.0))
+    mon._persister.run_pass()  # relays the worker's report
+    (fallback,) = kinds(store, "checkpoint_fallback")
+    assert fallback.evidence["loaded_step"] == 2 and "non-finite" in fallback.evidence["corrupt"][0]["error"]
+    w.close()

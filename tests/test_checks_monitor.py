@@ -126,8 +126,8 @@ def test_failed_precheck_stops_a_job_that_is_not_elastic(tmp_path, server):
 
 
 def test_precheck_off_and_all_off():
-    assert CM.create(options("--precheck", "off", "--health-check-interval", "0")) is None
-    assert isinstance(CM.create(options()), CM.ChecksMonitor)
+    assert CM.create(CM.settings(options("--precheck", "off", "--health-check-interval", "0"))) is None
+    assert isinstance(CM.create(CM.settings(options())), CM.ChecksMonitor)
 
 
 def test_periodic_hardware_check_turns_a_fault_into_exclusion(tmp_path, server):

@@ -25,9 +25,12 @@ def test_excluded_store_host_keeps_store_until_the_job_ends(jobs, tmp_path):
         "--rdzv-id", "keeper", "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "0", "--run-dir", run,
         "--exclude-straggler", "--precheck", "off", "--quiet",
     ]
-    script = [EXAMPLE, "--steps", "150", "--step-time-ms", "50", "--slow-rank", "1", "--slow-factor", "3"]
-    host = jobs("run", *common, "--node-name", "node0", *script, name="node0")
+    script = [EXAMPLE, "--steps", "150", "--step-time-ms", "50"]
+    slow = ["--slow-rank", "1", "--slow-factor", "3"]
+    host = jobs("run", *common, "--node-name", "node0", *script, *slow, name="node0")
     # node0 binds the endpoint first, so it hosts the rendezvous store — and holds the slow rank 1
+    # (each worker reads its own node's flags: only node0's need --slow-rank; without it node1,
+    # once alone, trains its 150 steps at full speed instead of three times slower)
     wait_for(lambda: port_open(port), what="node0 hosting the rendezvous store")
     other = jobs("run", *common, "--node-name", "node1", *script, name="node1")
     assert other.wait() == 0, other.output()

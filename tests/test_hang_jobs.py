@@ -82,8 +82,11 @@ def test_hang_mismatched_collectives(tmp_path: Path) -> None:
 
 
 def test_hang_healthy_checkpoint_pause_and_eval_not_flagged(tmp_path: Path) -> None:
-    """A 30 s checkpoint save without local I/O and an evaluation phase without output: long
-    stretches with no step and no I/O, far over the step threshold, yet healthy."""
+    """A 12 s checkpoint save without local I/O and an evaluation phase without output: long
+    stretches with no step and no I/O, far over the step threshold, yet healthy. 12 s: about four
+    times STEP_CFG's step threshold (3 s + 3 x p99 step) and still 4 s past that threshold plus
+    the progress window (5 s), sampled every 0.5 s: the save is judged (stacks, phase) several
+    times before it ends; a recognised checkpoint phase is allowed phase_floor (60 s) anyway."""
     args = [
         "--steps",
         "30",
@@ -92,7 +95,7 @@ def test_hang_healthy_checkpoint_pause_and_eval_not_flagged(tmp_path: Path) -> N
         "--ckpt-at",
         "10",
         "--ckpt-pause",
-        "30",
+        "12",
         "--eval-at",
         "20",
         "--eval-seconds",

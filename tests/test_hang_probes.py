@@ -150,8 +150,8 @@ def test_hang_options_flag_env_and_seed_alias(monkeypatch: pytest.MonkeyPatch) -
     assert config([]).detect_time == 120
     cfg = config(["--hang-detect-time", "0.5", "--hang-period", "0.2", "--hang-step-slack", "3"])
     assert (cfg.detect_time, cfg.period, cfg.step_slack) == (30, 0.2, 3)
-    assert hang_monitor.create(parse(["--no-hang-detect"])) is None
-    assert isinstance(hang_monitor.create(parse([])), hang_monitor.HangMonitor)
+    assert hang_monitor.create(hang_monitor.settings(parse(["--no-hang-detect"]))) is None
+    assert isinstance(hang_monitor.create(hang_monitor.settings(parse([]))), hang_monitor.HangMonitor)
 
 
 def test_hang_options_bad_values(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,7 +164,7 @@ def test_hang_options_bad_values(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     monkeypatch.setenv("MA_HANG_DETECT_TIME", "thirty")
     with pytest.raises(ValueError, match="MA_HANG_DETECT_TIME='thirty'"):
         hang_monitor.HangSettings.from_options(parse([]))
-    assert hang_monitor.create(parse(["--no-hang-detect"])) is None  # switched off: the variable is not read
+    assert hang_monitor.create(hang_monitor.settings(parse(["--no-hang-detect"]))) is None  # switched off: the variable is not read
 
 
 # --- nodes share their stacks through the rendezvous store ------------------------------------

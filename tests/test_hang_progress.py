@@ -3,6 +3,8 @@ the verdict on a stall (watch / suspected / detected) for the healthy phases and
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainguard.detect.culprit import RankView, find_culprit
 from trainguard.detect.hang import HangConfig, busy_limit, phase_allowance
 from trainguard.detect.progress import (
@@ -17,6 +19,7 @@ from trainguard.detect.progress import (
     RankSamples,
     decide_stall,
     judge_progress,
+    stopped_proof,
 )
 from trainguard.probes.stacks import Frame
 
@@ -91,6 +94,18 @@ def test_progress_same_frame_on_cpu_is_busy_not_idle() -> None:
 def test_progress_same_frame_no_cpu_no_io_is_idle() -> None:
     p = judge_progress(samples(1, [user("sleepy", 41)] * 6), CFG)
     assert p.kind == IDLE and not p.progressing
+
+
+def test_progress_new_collectives_are_progress_even_in_one_all_reduce_stack() -> None:
+    """Gradient accumulation that all-reduces a flag per micro-batch (bench/hang.py's fsdp2_accum):
+    under load every stack sample can land in the same all_reduce, while the rank's collective
+    counter moves. A counter that stands still (or is unknown) is no progress."""
+    base = samples(0, [all_reduce()] * 6, cpu_per_s=0.2)
+    moving = dataclasses.replace(base, collectives=[40, 41, 41, 43, 44, 46])
+    p = judge_progress(moving, CFG, waiting=True)
+    assert p.kind == PROGRESSING and p.moved == ("collectives",) and "new collectives" in p.describe()
+    for still in ([40] * 6, [None] * 6, []):
+        assert judge_progress(dataclasses.replace(base, collectives=still), CFG, waiting=True).kind == IDLE
 
 
 def test_progress_io_counts_but_not_for_a_waiting_rank() -> None:
@@ -183,6 +198,24 @@ def test_stall_stopped_rank_after_a_save_is_detected_at_once() -> None:
     )
     sv = decide_stall(verdict, progress, 8.0, limits(learned={"checkpoint": 600.0}))
     assert sv.state == "detected" and sv.culprit == 1 and "stopped" in sv.why
+
+
+def test_stopped_rank_is_proof_before_the_step_threshold() -> None:
+    """Issue 33: a rank stopped for a whole window while its peers wait is detected without waiting
+    for the step threshold (which grows with slow steps under load); a short stop, or a peer still
+    working outside a collective, is left to the usual rules."""
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "T", user("train", 66))}
+    verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: [user("train", 66)] * 6}, {1: {"state": "T"}})
+    sv = stopped_proof(verdict, progress, {1: 5.0}, hold_s=5.0)
+    assert sv is not None and (sv.state, sv.culprit, sv.rule, sv.limit) == ("detected", 1, "steps", 5.0)
+    assert "stopped" in sv.why and "peers wait" in sv.why
+    assert stopped_proof(verdict, progress, {1: 4.0}, hold_s=5.0) is None  # not a whole window yet
+    healthy, _ = judged(views, {0: [all_reduce()] * 6, 1: [user("train", 66)] * 6})
+    assert stopped_proof(healthy, _, {}, hold_s=5.0) is None  # nobody stopped
+    ev = [forward(10 + i % 3) for i in range(6)]
+    busy = {0: RankView(0, "R", ev[-1], busy=True), 1: RankView(1, "T", user("train", 66))}
+    verdict, progress = judged(busy, {0: ev, 1: [user("train", 66)] * 6}, {0: {"cpu_per_s": 1.0}, 1: {"state": "T"}})
+    assert stopped_proof(verdict, progress, {1: 9.0}, hold_s=5.0) is None  # rank 0 works outside a collective
 
 
 def test_stall_idle_rank_before_the_collective_is_detected() -> None:

@@ -291,3 +291,41 @@ def test_hang_waits_dead_wait_detected_with_culprit(tmp_path: Path, pattern: str
         wait = detected[0].evidence["wait"]  # urllib polls its socket (a timeout) before each recv
         assert wait["kind"] == kind and wait["dead"] and wait["proof"], seen
     assert attempts[1].decision is None and attempts[1].returncodes == {0: 0, 1: 0}  # restarted, healthy
+
+
+# --- two ranks in two different collectives: the sequence numbers (detect.sequence) -------------
+
+
+def test_sequence_names_both_calls_and_the_rank_out_of_sequence() -> None:
+    from trainguard.detect.sequence import InCall, compare_sequences
+    from trainguard.probes.ring_reader import CollectiveCounts
+
+    calls = {0: InCall("all_reduce", "job.py:30 in <module>"), 1: InCall("barrier", "job.py:34 in <module>")}
+    skip = {0: CollectiveCounts(21, "all_reduce", {"all_reduce": 20}),
+            1: CollectiveCounts(21, "barrier", {"all_reduce": 19, "barrier": 1})}  # fmt: skip
+    f = compare_sequences(calls, skip)
+    assert f.out_of_sequence == [1] and "made 19 all_reduce calls to rank 0's 20" in f.why, f
+    assert f.lines[0] == "rank 0: in all_reduce at job.py:30 in <module>: collective #21 of the rank, its all_reduce call #20"
+    assert compare_sequences({0: calls[0], 1: InCall("all_reduce")}, skip).lines == []  # one call: nothing to say
+    fresh = {0: CollectiveCounts(1, "broadcast", {"broadcast": 1}), 1: CollectiveCounts(1, "barrier", {"barrier": 1})}
+    assert compare_sequences({0: InCall("broadcast"), 1: InCall("barrier")}, fresh).out_of_sequence == []
+    behind = {0: CollectiveCounts(9, "all_reduce", {"all_reduce": 9}), 1: CollectiveCounts(8, "barrier", {"barrier": 8})}
+    assert compare_sequences(calls, behind).out_of_sequence == [1]
+    three = {**skip, 2: CollectiveCounts(21, "all_reduce", {"all_reduce": 20})}
+    assert compare_sequences({**calls, 2: calls[0]}, three).out_of_sequence == [1]
+
+
+@pytest.mark.slow
+def test_sequence_real_job_rank_that_skipped_an_all_reduce_is_named(jobs, tmp_path: Path) -> None:
+    from tgtest import events
+
+    run = tmp_path / "run"
+    job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", run,
+               "--hang-period", "0.5", "--hang-step-slack", "3", SCRIPTS / "skip_collective.py")  # fmt: skip
+    assert job.wait() == 0, job.output()[-4000:]
+    (hang,) = events(run, "hang_detected")
+    seq = hang.evidence["sequence"]
+    assert seq["out_of_sequence"] == [1], (hang.message, seq)
+    assert "rank 0: in all_reduce" in seq["lines"][0] and "rank 1: in barrier" in seq["lines"][1], seq
+    report = Path(hang.evidence["report"]).read_text()
+    assert "collective sequence (ranks in different collectives):" in report and "out of sequence: rank 1" in report

@@ -3,6 +3,9 @@ agents through a real TCPStore on 127.0.0.1 (cluster/peers.py)."""
 
 from __future__ import annotations
 
+import threading
+
+from tgtest import wait_for
 from torch.distributed import TCPStore
 
 from trainguard.cluster.peers import LEAVING_KEY, STOP_KEY, Peers
@@ -58,8 +61,12 @@ def test_agents_tell_each_other_through_the_store():
         a.announce_leaving(server)
         assert b.news(server, 2, force=True) == PeerLeft("node-a")
         assert b.news(server, 2) is None  # looked up at most once a second unless forced
-        b.stop_everywhere(server, 2, "user code failed")
-        assert a.news(server, 2, force=True) == PeerStop("user code failed (decided on node-b)")  # stop wins
+        # the stopping agent waits until the other has read the stop (it may host the store)
+        stopper = threading.Thread(target=b.stop_everywhere, args=(server, 2, "user code failed", 600.0), daemon=True)
+        stopper.start()
+        assert wait_for(lambda s=server: a.news(s, 2, force=True) == PeerStop("user code failed (decided on node-b)"))
+        stopper.join(60)
+        assert not stopper.is_alive()  # returned on the acknowledgement, long before its 600 s
         b.stop_everywhere(None, 2, "nothing happens without a store")
         Peers.leave_rendezvous(object())  # a handler torch cannot leave: logged, never raised
     finally:
@@ -74,7 +81,7 @@ def test_a_stray_stop_without_the_job_key_is_ignored_and_reported():
         other_job = Peers("node-x", JobKey.for_job("job-2", single_node=False))
         server.set(STOP_KEY, "stop now")  # a stray client: no MAC at all
         assert mine.news(server, 2, force=True) is None
-        other_job.stop_everywhere(server, 2, "another job's decision")  # signed, with another job's key
+        other_job.stop_everywhere(server, 2, "another job's decision", wait_s=0)  # signed, with another job's key
         assert mine.news(server, 2, force=True) is None
         other_job.announce_leaving(server)
         assert mine.news(server, 2, force=True) is None

@@ -8,6 +8,7 @@ import time
 from tgtest import wait_for
 from torch.distributed import TCPStore
 
+from trainguard.detect.nodeloss import DONE, Beat, late_nodes, to_probe
 from trainguard.events import EventBus, EventStore
 from trainguard.monitors.api import MonitorContext, StepSample, StepTracker, WorkerInfo
 from trainguard.monitors.liveness import LivenessMonitor, LivenessSettings
@@ -70,3 +71,48 @@ def test_a_node_that_finished_is_not_lost(tmp_path):
         a.close()
         db.close()
         del server
+
+
+def test_a_node_slow_to_start_its_workers_is_not_lost(tmp_path):
+    """Issue 33: a rejoining node whose first start was slow under load was declared lost after the
+    4 s heartbeat deadline. A node that has not started its workers in this round gets the start-up
+    allowance; once it has started, its silence counts from the heartbeat deadline again."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    db = EventStore(tmp_path)
+    settings = LivenessSettings(interval_s=0.05, lost_after_s=0.6, startup_s=60.0)
+    a, b = LivenessMonitor(settings), LivenessMonitor(settings)
+    try:
+        ca, cb = contexts(tmp_path, server, db)
+        b.on_before_start(cb)  # the round formed; node 1's workers are still starting
+        a.on_workers_started(ca)
+        wait_for(lambda: a._peers.get(1) and 1 in a._seen, 10, "node 1 published, its counter read")
+        wait_for(lambda: a._late() == {} and time.monotonic() - a._seen[1][1] > 3 * settings.lost_after_s, 10,
+                 "node 1 silent well past --node-lost-after")  # fmt: skip
+        assert a.poll(ca) is None  # no step here either: before the fix, node_lost
+        b.on_workers_started(cb)
+        wait_for(lambda: a._seen[1][0] > 0, 10, "node 1 beats")
+        b._halt()  # started, then silent: the heartbeat deadline again
+        lost = wait_for(lambda: a.poll(ca), 10, "node_lost after the heartbeat deadline")
+        assert list(lost.nodes) == ["n1"] and "no heartbeat" in lost.nodes["n1"]
+    finally:
+        a.close()
+        b.close()
+        db.close()
+        del server
+
+
+def test_node_loss_rule_over_samples():
+    """detect.nodeloss: the heartbeat deadline for a node that beat this round; the start-up
+    allowance for one that has not, unless its address is proven unreachable; never a finished one."""
+    beats = {
+        1: Beat(count=5, moved=0.0),  # beat, then silent
+        2: Beat(count=0, moved=0.0),  # still starting its workers
+        3: Beat(count=0, moved=0.0, unreachable=True),  # starting, address unreachable: proof
+        4: Beat(count=DONE, moved=0.0),  # finished
+    }
+    assert late_nodes(beats, now=3.9, lost_after_s=4.0, startup_s=30.0) == {}
+    assert late_nodes(beats, now=4.0, lost_after_s=4.0, startup_s=30.0) == {1: 4.0, 3: 4.0}
+    assert late_nodes(beats, now=30.0, lost_after_s=4.0, startup_s=30.0) == {1: 30.0, 2: 30.0, 3: 30.0}
+    assert late_nodes(beats, now=5.0, lost_after_s=4.0, startup_s=1.0) == {1: 5.0, 2: 5.0, 3: 5.0}  # never below the deadline
+    assert to_probe(beats, now=4.0, lost_after_s=4.0) == [2]  # 3 is proven already; 1 beat
+    assert to_probe(beats, now=3.0, lost_after_s=4.0) == []

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from trainguard import policy as P
-from trainguard.evidence import CheckOutcome, Diagnosis, HardwareFault, HardwareReport, RankFailure
+from trainguard.evidence import CheckOutcome, Diagnosis, HardwareFault, HardwareReport, NodeLost, RankFailure
 from trainguard.policy import Action
 
 HEALTHY = HardwareReport(True, [], [])
@@ -430,3 +430,17 @@ def test_news_from_other_nodes():
     assert (stop.action, stop.source, stop.reason) == (Action.STOP_JOB, "peer", "user code failed (decided on node1)")
     left = P.decide_on_peer_news(PeerLeft("node2"))
     assert (left.action, left.reason) == (Action.RERENDEZVOUS, "node node2 left the job")
+
+
+def test_a_lost_node_with_a_standby_waiting_keeps_the_world_size():
+    """A standby waiting in the rendezvous (agent/standby.py) takes the lost node's place: a job
+    that may not shrink (--nnodes 3:3) goes on in a new round instead of spending a restart to wait
+    for a replacement, and the decision says the standby keeps the node count."""
+    lost = NodeLost({"n3": "no heartbeat for 4.0 s"}, ["n3-desc"], 4.0)
+    fixed = P.decide_on_node_lost(lost, 3, 3, standbys=1)
+    assert fixed.action == Action.RERENDEZVOUS and "1 standby node(s) take the place: going on with 3 node(s)" in fixed.reason
+    assert fixed.evidence["standbys"] == 1 and fixed.evidence["rdzv_nodes"] == ["n3-desc"]
+    assert P.decide_on_node_lost(lost, 3, 3).action == Action.RESTART  # no standby: wait for a replacement
+    elastic = P.decide_on_node_lost(lost, 3, 2, standbys=2)  # one lost, one of the two standbys replaces it
+    assert elastic.action == Action.RERENDEZVOUS and "going on with 3 node(s)" in elastic.reason
+    assert "going on with 2 node(s)" in P.decide_on_node_lost(lost, 3, 2).reason

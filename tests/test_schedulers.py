@@ -20,6 +20,7 @@ from trainguard.exitcodes import (
     retryable,
     signal_exit,
 )
+from trainguard.options import SettingsError
 from trainguard.schedulers import adapter, hostlist, kubernetes, slurm
 
 # ------------------------------------------------------------------------------------ hostlist
@@ -176,7 +177,7 @@ def test_on_exclude_hook_gets_node_and_reason_in_its_environment_not_a_shell(tmp
     code = f"import json,os,sys; json.dump([sys.argv[1:], os.environ['{adapter.ENV_NODE}'], os.environ['{adapter.ENV_REASON}']], open({str(out)!r}, 'w'))"
     args = _args("--on-exclude", f"{sys.executable} -c \"{code}\" fixed-arg")
     events = []
-    sched = adapter.Scheduler.from_options(args, tmp_path, lambda *a, **k: events.append(a), None)
+    sched = adapter.Scheduler.from_settings(adapter.SchedulerSettings.from_options(args), tmp_path, lambda *a, **k: events.append(a))
     reason = "rank 1 hardware fault; $(touch pwned) `id`"
     sched.on_excluded("n'2", reason, None, None)
     assert json.loads(out.read_text()) == [["fixed-arg"], "n'2", reason]
@@ -275,3 +276,22 @@ def test_job_state_reads_scontrol(monkeypatch):
     assert slurm.batch_script("7", run) is None and slurm.batch_script("7", gone) is None
     monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
     assert slurm.job_state("7", run) is None
+
+
+def test_standby_nodes_make_the_last_nodes_of_the_step_standbys():
+    """--standby-nodes 1 on a step of three: n1 and n2 train (--nnodes 2), n3 waits as a standby
+    (agent/standby.py); the first host, which serves the rendezvous store, always trains."""
+    env = {**STEP_ENV, "SLURMD_NODENAME": "n3"}
+    args = _args("--standby-nodes", "1")
+    done = slurm.apply(args, detect(env))
+    assert (args.nnodes, args.standby, args.standby_nodes) == ("2", True, 0) and "--standby" in done
+    args = _args("--standby-nodes", "1")
+    slurm.apply(args, detect(STEP_ENV))  # n2
+    assert (args.nnodes, args.standby) == ("2", False) and args.rdzv_conf == "is_host=false"
+    args = _args("--standby-nodes", "1", "--nnodes", "1:2")  # the user's --nnodes wins
+    slurm.apply(args, detect(env))
+    assert (args.nnodes, args.standby) == ("1:2", True)
+    for bad, needle in ((_args("--standby-nodes", "3"), "none would be left to train"),
+                        (_args("--standby-nodes", "1"), "not in the step's node list")):  # fmt: skip
+        with pytest.raises(SettingsError, match=needle):
+            slurm.apply(bad, detect({**env, "SLURMD_NODENAME": "x9"} if "node list" in needle else env))

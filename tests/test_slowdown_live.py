@@ -50,10 +50,10 @@ def test_bad_slowdown_flags_are_one_line_usage_errors(flag, value, capsys):
 
 
 def test_off_switch():
-    from trainguard.monitors.slowdown import create
+    from trainguard.monitors.slowdown import create, settings
 
-    assert create(argparse.Namespace(slowdown="off")) is None
-    assert create(argparse.Namespace(slowdown="on", slowdown_window=7, slowdown_threshold=0.5)).window == 7
+    assert create(settings(argparse.Namespace(slowdown="off"))) is None
+    assert create(settings(argparse.Namespace(slowdown="on", slowdown_window=7, slowdown_threshold=0.5))).window == 7
 
 
 def _lines(rank: int, steps: range, t0: float, step_s: float) -> tuple[str, float]:

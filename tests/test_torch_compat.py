@@ -6,12 +6,14 @@ which, and the adapter is the one place to change."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import signal
 from datetime import timedelta
 from itertools import count
 
 import pytest
 import torch
+from tgtest import SCRIPTS, events, rank_log
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -238,3 +240,81 @@ def test_rendezvous_node_expiry_and_last_call_are_DynamicRendezvousHandler_inter
         assert C.set_last_call(object(), 1.0) is None
     finally:
         a.shutdown()
+
+
+def test_file_timer_works_as_under_torchrun(jobs, tmp_path):
+    """TORCHELASTIC_ENABLE_FILE_TIMER=1: the workers get TORCHELASTIC_TIMER_FILE (a drop-in keeps
+    torchrun's contract), and a worker that overruns its timer is killed by torch's timer server."""
+    env = {"TORCHELASTIC_ENABLE_FILE_TIMER": "1"}
+    common = ["--standalone", "--nproc-per-node", "2", "--precheck", "off", "--quiet", "--max-restarts", "0"]
+    ok = jobs("run", *common, "--run-dir", tmp_path / "ok", SCRIPTS / "file_timer_worker.py", env=env)
+    assert ok.wait() == 0, ok.output()[-3000:]
+    assert "timer armed" in rank_log(tmp_path / "ok", 0, 1).read_text()
+    assert "done" in rank_log(tmp_path / "ok", 0, 0).read_text()
+    over = jobs("run", *common, "--run-dir", tmp_path / "over", SCRIPTS / "file_timer_worker.py", "--overrun", env=env)
+    assert over.wait() != 0, over.output()[-3000:]
+    [expired] = events(tmp_path / "over", "worker_timer_expired")  # torch's server killed rank 0, not the agent
+    assert expired.rank == 0 and expired.evidence["signal"] == signal.SIGKILL, expired
+    assert events(tmp_path / "over", "job_failed")
+
+
+def test_file_timer_server_internals():
+    """agent/file_timer.py relies on FileTimerServer._reap_worker(pid, signal) -> bool (it refuses
+    pids that are not the agent's workers, and torch's self-kill) and on the ``log_event`` name
+    "kill worker process"; LocalElasticAgent._shutdown stops ``_worker_watchdog``."""
+    from torch.distributed.elastic.timer import FileTimerServer
+
+    assert "kill worker process" in inspect.getsource(FileTimerServer._run_watchdog)
+    assert list(inspect.signature(FileTimerServer._reap_worker).parameters) == ["self", "worker_pid", "signal"]
+    assert "_worker_watchdog" in inspect.getsource(LocalElasticAgent._shutdown)
+
+
+def test_rendezvous_round_reads_DynamicRendezvousHandler__state_holder_and__settings():
+    """A standby agent joins once the job's round formed (agent/standby.py): it reads the round's
+    state (closed, complete, participants) and --nnodes MAX from the handler."""
+    a = handler(max_nodes=1)
+    try:
+        assert C.rendezvous_round(a) == (False, False, 0, 1)
+        a.next_rendezvous()
+        assert C.rendezvous_round(a) == (False, True, 1, 1), "torch no longer marks a full round complete"
+        assert C.rendezvous_round(object()) is None
+    finally:
+        a.shutdown()
+    assert C.rendezvous_round(a)[0], "a shut-down rendezvous no longer reads closed"
+
+
+def test_a_node_beyond_max_waits_on_DynamicRendezvousHandler_redundancy_list():
+    """What --standby builds on (agent/standby.py): a node that joins a full round waits in torch's
+    redundancy list (``rendezvous_standbys`` counts it), and leaves quietly
+    (RendezvousGracefulExitError, which torch's agent ends its run on) when the job closes."""
+    import threading
+
+    from tgtest import wait_for
+    from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
+
+    from trainguard.cluster.stores import bound_store
+
+    server = bound_store("127.0.0.1", multi_tenant=True)
+    params = dict(backend="c10d", endpoint=f"127.0.0.1:{server.port}", run_id=f"standby-{next(_ids)}", min_nodes=1,
+                  max_nodes=1, join_timeout=60, last_call_timeout=1, is_host=False)  # fmt: skip
+    job, spare = (rdzv_registry.get_rendezvous_handler(RendezvousParameters(**params)) for _ in range(2))
+    ended: list[BaseException] = []
+
+    def wait_as_standby() -> None:
+        try:
+            spare.next_rendezvous()
+        except BaseException as exc:
+            ended.append(exc)
+
+    try:
+        job.next_rendezvous()
+        assert C.rendezvous_standbys(job) == 0 and C.rendezvous_standbys(object()) == 0
+        waiter = threading.Thread(target=wait_as_standby, daemon=True)
+        waiter.start()
+        wait_for(lambda: C.rendezvous_standbys(job) == 1, what="the standby in the redundancy list")
+        assert C.rendezvous_round(job) == (False, True, 1, 1) and not ended  # it waits, the round stays full
+        job.shutdown()
+        waiter.join(timeout=30)
+        assert ended and isinstance(ended[0], RendezvousGracefulExitError), ended
+    finally:
+        job.shutdown()

@@ -133,8 +133,10 @@ def test_pool_falls_back_to_fresh_processes_when_the_zygote_dies(tmp_path):
 @pytest.mark.slow
 def test_back_to_back_kills_recover_from_forked_workers_and_agent_kill_leaves_nothing(jobs, tmp_path):
     run = tmp_path / "run"
-    job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir", run,
-               EXAMPLE, "--steps", "100000", "--step-time-ms", "50", "--ckpt-every", "5",
+    # --restart-loop-attempts 0: three kills right after each recovery, before a new snapshot, are
+    # what the restart-loop guard stops (same signal, no step passed); here they test the spares.
+    job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--restart-loop-attempts", "0",
+               "--run-dir", run, EXAMPLE, "--steps", "100000", "--step-time-ms", "50", "--ckpt-every", "5",
                "--ckpt-dir", tmp_path / "ckpt")  # fmt: skip
     launcher = psutil.Process(job.proc.pid)
 

@@ -3,6 +3,8 @@
 Evidence is plain data (frozen dataclasses, no I/O, nothing decided). Who produces what:
 
 - ``RankFailure``: the agent, for each worker that failed (spawn/failures.py).
+- ``AttemptRecord``: the agent, one per failed attempt (how far it got, how it failed), for the
+  restart-loop guard.
 - ``Diagnosis``: the diagnosis monitor, from the failed attempt's logs, when workers fail.
 - ``HardwareReport``: the checks monitor's hardware check right after workers fail.
 - ``CheckOutcome``: the checks monitor before workers start (pre-check, node check), agreed by all
@@ -45,6 +47,24 @@ class RankFailure:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "log_tail": list(self.log_tail)}
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One failed attempt as this node saw it: how far it got and how it failed. The agent keeps
+    one per failure; the restart-loop guard (detect/restart_loop.py) compares consecutive ones."""
+
+    attempt: int  # logs/attempt-<n>
+    node: str
+    kind: str  # the failure's cause kind; a signal death names its signal ("signal SIGKILL")
+    step: int | None  # the last step the attempt reached on this node (None: no step seen)
+    step_source: str = ""  # "log" (the step numbers the ranks print) | "spans" (steps counted this attempt)
+    own: bool = True  # a rank of this node failed of its own (not only lost peers / stopped by the agent)
+    nnodes: int = 1  # nodes in the attempt
+    ranks: tuple[int, ...] = ()  # the global ranks of this node that failed of their own
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ranks": list(self.ranks)}
 
 
 @dataclass(frozen=True)
@@ -197,6 +217,30 @@ class NodeLost:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ----------------------------------------------------------------------------- NaN triage
+
+
+@dataclass(frozen=True)
+class NanEvidence:
+    """Where a non-finite loss or gradient was first seen in one attempt (the NaN triage, issue 32).
+
+    ``source`` "gradient_check": the replay's per-rank check of the gradients before their
+    reduction named the rank (the lowest step, then the earliest time); "diagnosis": the log
+    diagnosis of a failed attempt named the first failing rank (no gradient check ran)."""
+
+    attempt: int
+    rank: int | None
+    node: str  # the node of ``rank`` ("" when it is not one of this node's ranks)
+    source: str  # "gradient_check" | "diagnosis"
+    step: int | None = None  # optimizer steps the rank had made in this attempt before it
+    ranks: tuple[int, ...] = ()  # every rank non-finite at that step (the gradient check)
+    nodes: tuple[str, ...] = ()  # their nodes
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ranks": list(self.ranks), "nodes": list(self.nodes)}
 
 
 # ------------------------------------------------------------------------------ other nodes

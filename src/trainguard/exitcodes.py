@@ -8,7 +8,7 @@ import signal
 # retry would fail the same way), 128-255 retryable (replace the pod, reschedule the job). Signal
 # deaths are 128 + signal number (129-192); trainguard's own retryable codes sit above them.
 EXIT_OK = 0
-EXIT_FAILED = 1  # the job failed: user code, or restarts exhausted (permanent)
+EXIT_FAILED = 1  # the job failed: user code, restarts exhausted, or a restart loop (permanent)
 EXIT_USAGE = 2  # bad input: one line on stderr, nothing started (permanent)
 EXIT_EXCLUDED = 200  # this node left the job (faulty or straggler); an elastic job goes on without it
 EXIT_NODE_FAULT = 201  # the job stopped because too few healthy nodes are left (retry elsewhere)

@@ -8,9 +8,13 @@ pure. Entry points:
 
 - ``decide_before_start(outcome, ...)``      pre-check / node check outcome (seed scenarios 1-2)
 - ``decide_on_failure(failures, ...)``       workers failed (scenarios 3-4, restarts in budget)
+- ``guard_restart_loop(decision, attempts, ...)`` a restart that would repeat a restart loop stops
+                                              the job (or isolates the node the loop follows)
 - ``decide_while_running(evidence, ...)``    ``decide_on_hang``, ``decide_on_straggler``,
                                               ``decide_on_hardware_fault``
 - ``decide_on_peer_news(news)``              another node stopped the job or left it
+- ``decide_nan_replay``, ``decide_after_nan_replay`` (``triage_nan``): the NaN triage (issue 32), a
+  NaN failure replayed once from a finite snapshot before it is called the user's code
 
 The seed's four scenarios (ModelArts fault tolerance):
 
@@ -35,12 +39,16 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from trainguard.cluster import node_history
+from trainguard.detect.restart_loop import RestartLoop, find_restart_loop
 from trainguard.evidence import (
+    AttemptRecord,
     CheckOutcome,
     Diagnosis,
     HangEvidence,
     HardwareFault,
     HardwareReport,
+    NanEvidence,
     NodeLost,
     PeerLeft,
     PeerNews,
@@ -50,6 +58,7 @@ from trainguard.evidence import (
     StragglerEvidence,
 )
 from trainguard.exitcodes import signal_name
+from trainguard.options import given
 
 
 class Action(StrEnum):
@@ -72,6 +81,7 @@ class Decision:
 
 
 NODE_DOWN_MESSAGE = "The node is down."
+RESTART_LOOP_EXIT_MESSAGE = "The node fails the same way at the same step in every attempt and exits."
 STRAGGLER_EXIT_MESSAGE = "The node is a straggler and exits."
 
 
@@ -83,14 +93,19 @@ class PolicySettings:
     exclude_straggler: bool = False  # --exclude-straggler: a straggler's node leaves while training
     node_check_exclude_straggler: bool = False  # --node-check-exclude-straggler: ... before start
     restart_on_error: bool = False  # --restart-on-error: torchrun's restarts on the user's own exception too
+    nan_replays: int = 2  # --nan-replays: NaN failures per run replayed from a snapshot (0: stop at once)
+    restart_loop_attempts: int = 3  # --restart-loop-attempts: K attempts failing the same way at the same step stop the job (0: off)
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> PolicySettings:
+        loop = getattr(options, "restart_loop_attempts", None)
         return cls(
             nnodes=str(options.nnodes or ""),
             exclude_straggler=bool(options.exclude_straggler),
             node_check_exclude_straggler=bool(options.node_check_exclude_straggler),
             restart_on_error=bool(getattr(options, "restart_on_error", False)),
+            **given(options, {"nan_replays": "nan_replays"}),
+            **({"restart_loop_attempts": int(loop)} if loop is not None else {}),
         )
 
     def min_nodes(self, current: int) -> int:
@@ -284,6 +299,57 @@ def decide_on_failure(
     return Decision(action, reason, source=source, rank=cause.rank, evidence=evidence, exit_message=exit_message)
 
 
+_SIGNAL_NAME = re.compile(r"\bSIG[A-Z0-9]+\b")
+
+
+def failure_kind(failures: dict[int, RankFailure], diagnosis: Diagnosis | None = None) -> str:
+    """The kind of a failure, as the restart-loop guard compares them: the cause's kind, with the
+    signal of a signal death and the code of a bare exit (messages are not compared: they carry
+    pids, addresses, times)."""
+    cause = classify_failures(failures, diagnosis)
+    if cause.kind == SIGNAL:
+        sig = _SIGNAL_NAME.search(cause.detail)
+        return f"{SIGNAL} {sig[0]}" if sig else SIGNAL
+    if cause.kind == EXIT:
+        return f"{EXIT} {cause.detail}"
+    return cause.kind
+
+
+def guard_restart_loop(
+    decision: Decision, attempts: list[AttemptRecord], settings: PolicySettings, nnodes: int
+) -> Decision:
+    """A restart the failure policy wants, checked against the attempts before it: when the last
+    ``--restart-loop-attempts`` attempts failed the same way without passing the step the one
+    before failed at, restarting again from the same state is known to fail: stop (exit 1, a
+    permanent failure for the scheduler), or, when the failures followed this node while others
+    trained with it, exclude it and go on without it (stop if too few nodes would be left)."""
+    if decision.action != Action.RESTART or decision.source == "nan_triage":  # a NaN replay is the triage's
+        return decision
+    loop = find_restart_loop(attempts, settings.restart_loop_attempts)
+    if loop is None:
+        return decision
+    return decide_on_restart_loop(loop, decision, nnodes, settings.min_nodes(nnodes))
+
+
+def decide_on_restart_loop(loop: RestartLoop, wanted: Decision, nnodes: int, min_nodes: int) -> Decision:
+    left = wanted.evidence.get("remaining_restarts")
+    evidence = {**wanted.evidence, "restart_loop": loop.to_dict(), "tried": f"{len(loop.attempts)} attempts ({len(loop.attempts) - 1} restarts)",
+                "wanted": wanted.action.value}
+    if loop.node is not None:
+        exclude = Decision(
+            Action.EXCLUDE_NODE,
+            f"restart loop on node {loop.node}: {loop.describe()} -> isolating this node; the job goes on without it",
+            "restart_loop", wanted.rank, evidence, exit_message=RESTART_LOOP_EXIT_MESSAGE,
+        )  # fmt: skip
+        return confirm_exclusion(exclude, nnodes, min_nodes)
+    return Decision(
+        Action.STOP_JOB,
+        f"restart loop: {loop.describe()}; another restart from the same state would fail the same way: "
+        f"stopping ({left} restart(s) were left)",
+        "restart_loop", wanted.rank, evidence,
+    )  # fmt: skip
+
+
 def decide_without_policy(error: Exception) -> Decision:
     """Deciding failed (a bug here): restart, what torch elastic itself would do, rather than let
     the policy take the job down with it."""
@@ -319,6 +385,9 @@ def decide_before_start(
     if outcome.stage == "precheck":
         evidence["scenario"] = (1 if node_rank in outcome.hardware_faulty else 2) if node_rank in faulty else None
     evidence.update(outcome.details)
+    mine = (outcome.details.get("outcomes") or {}).get(str(node_rank))
+    if isinstance(mine, dict) and mine.get("history_refused"):
+        evidence["history_refused"] = True  # refused by the node history (a new record would count itself up)
     evidence.update({"faulty": faulty, "stragglers": stragglers, "nnodes": nnodes, "min_nodes": min_nodes})
     source = outcome.stage
     if outcome.undetermined:
@@ -413,12 +482,17 @@ def decide_on_hardware_fault(fault: HardwareFault, nnodes: int, min_nodes: int) 
     return confirm_exclusion(wanted, nnodes, min_nodes)
 
 
-def decide_on_node_lost(lost: NodeLost, nnodes: int, min_nodes: int) -> Decision:
+def decide_on_node_lost(lost: NodeLost, nnodes: int, min_nodes: int, standbys: int = 0) -> Decision:
     """Nodes vanished (no heartbeat, training blocked): go on without them in a new round, which
-    does not use the restart budget, when enough nodes remain; otherwise restart (using the
-    budget) and let the rendezvous wait for a replacement."""
+    does not use the restart budget, when enough nodes remain (counting the standby nodes that
+    wait in the rendezvous, which take the lost nodes' places in that round: agent/standby.py);
+    otherwise restart (using the budget) and let the rendezvous wait for a replacement."""
     left = nnodes - len(lost.nodes)
-    evidence = {**lost.to_dict(), "nnodes": nnodes, "min_nodes": min_nodes}
+    replaced = min(standbys, len(lost.nodes))
+    evidence = {**lost.to_dict(), "nnodes": nnodes, "min_nodes": min_nodes, "standbys": standbys}
+    if replaced and left + replaced >= min_nodes:
+        return Decision(Action.RERENDEZVOUS, f"{lost.message}; {replaced} standby node(s) take the place: going on with "
+                        f"{left + replaced} node(s)", "node_lost", None, evidence)  # fmt: skip
     if left >= min_nodes:
         return Decision(Action.RERENDEZVOUS, f"{lost.message}; going on with {left} node(s)", "node_lost", None, evidence)
     return Decision(
@@ -427,8 +501,10 @@ def decide_on_node_lost(lost: NodeLost, nnodes: int, min_nodes: int) -> Decision
     )  # fmt: skip
 
 
-def decide_while_running(evidence: RunningEvidence, settings: PolicySettings, nnodes: int) -> Decision | None:
-    """A monitor's evidence while workers run -> the decision (None: nothing to do)."""
+def decide_while_running(evidence: RunningEvidence, settings: PolicySettings, nnodes: int,
+                         standbys: int = 0) -> Decision | None:
+    """A monitor's evidence while workers run -> the decision (None: nothing to do). ``standbys``:
+    standby nodes waiting in the rendezvous (read for a NodeLost only)."""
     if isinstance(evidence, HangEvidence):
         return decide_on_hang(evidence)
     if isinstance(evidence, StragglerEvidence):
@@ -436,7 +512,7 @@ def decide_while_running(evidence: RunningEvidence, settings: PolicySettings, nn
     if isinstance(evidence, HardwareFault):
         return decide_on_hardware_fault(evidence, nnodes, settings.min_nodes(nnodes))
     if isinstance(evidence, NodeLost):
-        return decide_on_node_lost(evidence, nnodes, settings.min_nodes(nnodes))
+        return decide_on_node_lost(evidence, nnodes, settings.min_nodes(nnodes), standbys)
     raise TypeError(f"no policy for evidence of type {type(evidence).__name__}")
 
 
@@ -464,3 +540,99 @@ def decide_on_peer_news(news: PeerNews) -> Decision:
     if isinstance(news, PeerLeft):
         return Decision(Action.RERENDEZVOUS, f"node {news.node} left the job", source="peer")
     raise TypeError(f"no policy for news of type {type(news).__name__}")
+
+
+# ------------------------------------------------------------------------------ NaN triage
+# A NaN/inf loss or gradient is not always the user's code: silent data corruption on a faulty GPU
+# or host produces NaNs that do not reproduce elsewhere (torchtitan #951). Before stopping on it,
+# the job is replayed once from the newest finite snapshot with every rank checking its gradients
+# before their reduction (worker/nancheck.py), which names the first rank that goes non-finite.
+
+NAN_CATEGORY = "nan_loss"
+
+
+class NanVerdict(StrEnum):
+    TRANSIENT = "transient"  # the replay went past the failure without a non-finite value
+    HARDWARE = "hardware"  # reproduced on the same rank and node, and that node's hardware check found a fault
+    CODE_OR_DATA = "code_or_data"  # reproduced elsewhere, everywhere, or on healthy hardware
+
+
+def is_nan_failure(diagnosis: Diagnosis | None) -> bool:
+    """The attempt failed on a non-finite loss or gradient (a verdict, not a low-confidence lead)."""
+    return diagnosis is not None and diagnosis.category == NAN_CATEGORY and diagnosis.confidence != "low"
+
+
+def triage_nan(first: NanEvidence, replay: NanEvidence | None, hardware: HardwareReport | None,
+               node: str) -> NanVerdict:
+    """What the replay says about a NaN (pure). ``first``: the attempt that failed on it;
+    ``replay``: the non-finite value the replay found (None: none up to past the failure's point);
+    ``hardware``: this node's hardware check after the replay (None: none ran); ``node``: this node.
+    Hardware only on positive proof: the very same rank and node both times, on this node, whose
+    check found a fault, and the NaN not on other nodes' ranks too."""
+    if replay is None:
+        return NanVerdict.TRANSIENT
+    same = (replay.rank is not None and replay.rank == first.rank and replay.node == first.node == node)
+    elsewhere_too = any(n != node for n in replay.nodes)
+    if same and not elsewhere_too and hardware is not None and not hardware.healthy:
+        return NanVerdict.HARDWARE
+    return NanVerdict.CODE_OR_DATA
+
+
+def _where(e: NanEvidence) -> str:
+    rank = f"rank {e.rank}" if e.rank is not None else "no single rank"
+    node = f" on node {e.node}" if e.node else ""
+    step = f" at its step {e.step} of the attempt" if e.step is not None else ""
+    return f"{rank}{node}{step} ({e.source.replace('_', ' ')})"
+
+
+def decide_nan_replay(first: NanEvidence, replays_left: int) -> Decision | None:
+    """A NaN failure: replay it once from the newest finite snapshot, with the gradient check on
+    (RESTART with source "nan_triage"; the agent gives the restart budget back). None: no
+    replays left, the failure is decided as before (the user's code: stop)."""
+    if replays_left <= 0:
+        return None
+    return Decision(
+        Action.RESTART,
+        f"non-finite loss/gradient ({_where(first)}): replaying from the newest finite snapshot with the "
+        "gradient check on, to tell a transient fault from the code or the data",
+        source="nan_triage",
+        rank=first.rank,
+        evidence={"nan_first": first.to_dict(), "replays_left": replays_left - 1},
+    )
+
+
+def decide_after_nan_replay(first: NanEvidence, replay: NanEvidence | None, hardware: HardwareReport | None,
+                            node: str, nnodes: int, min_nodes: int) -> Decision:
+    """The replay's outcome -> CONTINUE (transient), EXCLUDE_NODE (hardware) or STOP_JOB (code or data)."""
+    verdict = triage_nan(first, replay, hardware, node)
+    evidence = {"verdict": verdict.value, "nan_first": first.to_dict(),
+                "nan_replay": replay.to_dict() if replay is not None else None,
+                "hardware": hardware.summary() if hardware is not None else None}  # fmt: skip
+    if verdict == NanVerdict.TRANSIENT:
+        return Decision(Action.CONTINUE, f"NaN did not reproduce in the replay: a transient fault at {_where(first)}; "
+                        "training goes on", "nan_triage", first.rank, evidence)  # fmt: skip
+    assert replay is not None
+    if verdict == NanVerdict.HARDWARE:
+        faults = "; ".join(hardware.faults if hardware is not None else [])[:400]
+        wanted = Decision(Action.EXCLUDE_NODE, f"NaN reproduced on the same rank and node ({_where(replay)}) and the "
+                          f"hardware check found a fault: {faults} -> isolating this node", "nan_triage", replay.rank,
+                          evidence, exit_message=NODE_DOWN_MESSAGE)  # fmt: skip
+        return confirm_exclusion(wanted, nnodes, min_nodes)
+    evidence["scenario"] = 4
+    return Decision(Action.STOP_JOB, f"NaN reproduced in the replay (first non-finite: {_where(replay)}): the code or "
+                    "the data, not a transient fault; no restart", "nan_triage", replay.rank, evidence)  # fmt: skip
+# ------------------------------------------------------------------------------ node history
+
+
+def history_kind(d: Decision) -> str | None:
+    """What a decision made on this node puts in the site's node history (None: nothing): a
+    hardware-class fault of this host (seed scenarios 1 and 3, the periodic check), a restart loop
+    that followed it, or another exclusion. A refusal by the history itself is an exclusion, not a
+    new fault (it would count itself up)."""
+    if d.source == "restart_loop":
+        return node_history.RESTART_LOOP if (d.evidence.get("restart_loop") or {}).get("node") else None
+    if d.evidence.get("history_refused") and d.action == Action.EXCLUDE_NODE:
+        return node_history.EXCLUSION
+    if d.source in ("hardware_check", "health_check") or d.evidence.get("scenario") in (1, 3):
+        return node_history.HARDWARE
+    return node_history.EXCLUSION if d.action == Action.EXCLUDE_NODE else None

@@ -59,6 +59,19 @@ def set_local_rank_env(agent: Any, env: dict[str, str], local_rank: int, spec: A
     method(env, local_rank, spec)
 
 
+# LocalElasticAgent keeps the workers' file timer server in ``_worker_watchdog``: its
+# ``_shutdown`` stops it, and its health check server (``_setup_healthcheck``, started when
+# TORCHELASTIC_HEALTH_CHECK_PORT is set, as under torchrun) reports the timer's progress time.
+_WATCHDOG = "_worker_watchdog"
+
+
+def start_worker_watchdogs(agent: Any, timer_server: Any) -> None:
+    setattr(agent, _WATCHDOG, timer_server)
+    healthcheck = getattr(agent, "_setup_healthcheck", None)
+    if healthcheck is not None:
+        healthcheck()
+
+
 # ------------------------------------------------------------------------------ rendezvous
 
 
@@ -191,6 +204,36 @@ def expire_rendezvous_node(handler: Any, node: str, attempts: int = 3) -> bool:
             if holder.sync() is not False:  # False: another agent wrote first; read and try again
                 return True
     return False
+
+
+def rendezvous_round(handler: Any) -> tuple[bool, bool, int, int] | None:
+    """(closed, complete, participants, max nodes) of a dynamic rendezvous' current round, read
+    from the store: a standby agent joins only once the job's round has formed, so that it waits
+    beside the job (torch puts a node beyond --nnodes MAX on its redundancy list) instead of
+    taking an active node's place. None for other handlers (etcd-v2, static)."""
+    holder = getattr(handler, "_state_holder", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    settings = getattr(handler, "_settings", None)
+    if holder is None or lock is None or settings is None:
+        return None
+    with lock:
+        holder.sync()
+        state = holder.state
+        return bool(state.closed), bool(state.complete), len(state.participants), int(settings.max_nodes)
+
+
+def rendezvous_standbys(handler: Any) -> int:
+    """Nodes waiting beside a dynamic rendezvous' round (its redundancy list: they came while it
+    had --nnodes MAX; and its wait list: they will join the next round): the standbys a lost node's
+    place goes to. 0 for other handlers."""
+    holder = getattr(handler, "_state_holder", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    if holder is None or lock is None:
+        return 0
+    with lock:
+        holder.sync()
+        state = holder.state
+        return len(state.redundancy_list) + len(state.wait_list)
 
 
 def set_last_call(handler: Any, seconds: float | None) -> float | None:

@@ -19,6 +19,7 @@ p.add_argument("--init-delay-rank", type=int, default=-1, help="this rank waits 
 p.add_argument("--init-delay", type=float, default=0.0)
 p.add_argument("--raise-always", action="store_true")
 p.add_argument("--exit-always", type=int, default=0, help="rank 0 exits with this code at step 2, every attempt")
+p.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself at this step, every attempt")
 args = p.parse_args()
 
 attempt = int(os.environ["TRAINGUARD_RESTART_COUNT"])
@@ -44,6 +45,8 @@ for step in range(start + 1, args.steps + 1):
         raise ValueError("bad batch shape: the user's bug")
     if args.exit_always and rank == 0 and step == 2:
         os._exit(args.exit_always)
+    if args.kill_at and rank == 1 and step == args.kill_at:
+        os.kill(os.getpid(), 9)  # a native crash at the same step: a restart from the snapshot meets it again
     t0 = time.perf_counter()
     opt.zero_grad()
     model(torch.randn(4, 8)).sum().backward()

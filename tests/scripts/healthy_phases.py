@@ -7,7 +7,8 @@ tests/scripts/hang_harness.py). Prints `step=<n> rank=<r> t=<unix time>` after e
 step, `phase=<name> rank=<r> seconds=<s>` after each phase, and `done rank=<r>` at the end.
 Every optimizer step is taken after --accum micro-batches (gradient accumulation, DDP no_sync).
 
-Phases (--phases, comma-separated, in the order given; --scale multiplies every duration):
+Phases (--phases, comma-separated, in the order given; --scale multiplies every duration,
+--phase-scale NAME=X one phase's instead):
 
   first     the first step is 30 s slower (CPU-busy warm-up on every rank, as a compile)
   eval0     rank 0 alone evaluates 40 s (CPU-busy forward passes under no_grad: the first half
@@ -42,13 +43,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps-between", type=int, default=12, help="optimizer steps before and after each phase")
     p.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every phase's duration")
+    p.add_argument("--phase-scale", action="append", default=[], metavar="NAME=X",
+                   help="multiplies this phase's duration instead of --scale (repeatable)")
     p.add_argument("--save-gb", type=float, default=1.0)
     p.add_argument("--save-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     args = p.parse_args()
     args.phases = [x for x in args.phases.split(",") if x]
     unknown = set(args.phases) - set(PHASES)
+    own = dict(x.split("=", 1) for x in args.phase_scale if "=" in x)
+    if len(own) != len(args.phase_scale) or set(own) - set(PHASES):
+        p.error(f"--phase-scale wants NAME=X with NAME one of {PHASES}")
     if unknown:
         p.error(f"unknown phases: {sorted(unknown)}")
+    args.scales = {name: float(own.get(name, args.scale)) for name in PHASES}
     return args
 
 
@@ -88,9 +95,9 @@ def main() -> int:
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)  # its step() marks step boundaries for trainguard
-    s = args.scale
+    s = args.scales
     loader_epoch = 1 if "loader" in args.phases else -1
-    data = Batches(args.accum * args.steps_between, loader_epoch, 20.0 * s)
+    data = Batches(args.accum * args.steps_between, loader_epoch, 20.0 * s["loader"])
     step = 0
 
     def train(steps: int, epoch: int = 0) -> None:
@@ -110,7 +117,7 @@ def main() -> int:
                     model(x).square().mean().backward()
             if step == 0 and "first" in args.phases:
                 warm = torch.randn(128, 128)
-                cpu_busy(30.0 * s, lambda m=warm: m @ m)  # a slow first step (compilation, warm-up)
+                cpu_busy(30.0 * s["first"], lambda m=warm: m @ m)  # a slow first step (compilation, warm-up)
             opt.step()
             step += 1
             print(f"step={step} rank={rank} t={time.time():.6f}", flush=True)
@@ -124,14 +131,14 @@ def main() -> int:
         if rank == 0:
             with torch.no_grad():
                 x = torch.randn(256, 32)
-                cpu_busy(20.0 * s, lambda: model.module(x))  # through the DDP wrapper's module
-                cpu_busy(20.0 * s, lambda: net(x))  # through the unwrapped model
+                cpu_busy(20.0 * s["eval0"], lambda: model.module(x))  # through the DDP wrapper's module
+                cpu_busy(20.0 * s["eval0"], lambda: net(x))  # through the unwrapped model
         dist.barrier()
 
     def evalall() -> None:
         with torch.no_grad():
             x = torch.randn(256, 32)
-            cpu_busy(30.0 * s, lambda: net(x))
+            cpu_busy(30.0 * s["evalall"], lambda: net(x))
 
     def save() -> None:
         if rank == 0:

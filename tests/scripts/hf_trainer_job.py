@@ -11,7 +11,7 @@ import signal
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+from token_data import Tokens  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from trainguard.integrations.hf import TrainguardCallback  # noqa: E402
@@ -23,18 +23,6 @@ p.add_argument("--stop-after-save", type=int, default=-1)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TRAINGUARD_RESTART_COUNT"])
-
-
-class Tokens(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        x = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": x, "labels": x}
 
 
 class Report(TrainerCallback):

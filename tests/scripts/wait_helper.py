@@ -1,6 +1,7 @@
-"""The outside world a rank waits on, for tests/scripts/wait_patterns.py: a slow HTTP server, a
-slow raw stream, a slow upload sink, a file lock holder, a trickling pipe writer, a file that
-appears late. Loopback only; every mode ends on its own after --max-s.
+"""The outside world a rank waits on, for tests/scripts/wait_patterns.py: a slow HTTP server, an
+HTTP server that stalls (accepts, reads the request, sends nothing for --seconds), a slow raw
+stream, a slow upload sink, a file lock holder, a trickling pipe writer, a file that appears late.
+Loopback only; every mode ends on its own after --max-s.
 
 Run detached (--detach): the process forks, the parent exits at once, and the child — no longer
 a descendant of the rank that started it, as a real remote server is not — prints
@@ -25,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["http", "stream", "sink", "flock", "writer", "touch"])
+    p.add_argument("mode", choices=["http", "stall", "stream", "sink", "flock", "writer", "touch"])
     p.add_argument("--rate", type=float, default=40_000.0, help="bytes per second")
     p.add_argument("--seconds", type=float, default=40.0, help="how long the served wait lasts")
     p.add_argument("--stop-after", type=float, default=-1.0, help="SIGSTOP self after this many bytes/seconds")
@@ -63,6 +64,16 @@ def serve_http(args: argparse.Namespace) -> None:
             pass
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if args.mode == "stall":  # a remote service that thinks: the connection open, nothing sent
+                stalled = args.seconds if args.stop_after < 0 else min(args.seconds, args.stop_after)
+                time.sleep(stalled)
+                if 0 <= args.stop_after:
+                    stop_self()
+                self.send_response(200)
+                self.send_header("Content-Length", "3")
+                self.end_headers()
+                self.wfile.write(b"ok\n")
+                return
             total = int(args.rate * args.seconds)
             self.send_response(200)
             self.send_header("Content-Length", str(total))
@@ -130,8 +141,8 @@ def main() -> int:
         os._exit(0)  # the rank reaps this parent at once; the child is nobody's descendant
     signal.signal(signal.SIGALRM, lambda *_: os._exit(3))
     signal.alarm(int(args.max_s) + 5)  # bounded whatever happens (a stopped helper is killed by its group)
-    {"http": serve_http, "stream": serve_stream, "sink": serve_http, "flock": hold_flock, "writer": trickle,
-     "touch": touch_later}[args.mode](args)  # fmt: skip
+    {"http": serve_http, "stall": serve_http, "stream": serve_stream, "sink": serve_http, "flock": hold_flock,
+     "writer": trickle, "touch": touch_later}[args.mode](args)  # fmt: skip
     return 0
 
 

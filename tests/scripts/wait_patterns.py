@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import os
 import select
 import shutil
@@ -69,6 +70,12 @@ PATTERNS: dict[str, Pattern] = {
     "loader_persistent": Pattern(True, None, True, "persistent DataLoader workers block on a slow source at an epoch"),
     "slow_sync": Pattern(True, None, False, "rank 0 writes and os.sync()s repeatedly, rank 1 in a barrier"),
     "event_wait": Pattern(True, None, False, "every rank waits on an Event a background thread sets late"),
+    "hf_eval": Pattern(True, None, False, "HF Trainer evaluation: rank 0's metric calls a slow scoring service, "
+                       "rank 1 waits in the next step's collective"),
+    "lightning_val": Pattern(True, None, True, "Lightning validation: rank 0 runs an evaluator child that idles, "
+                             "rank 1 waits in the next collective"),
+    "server_stall": Pattern(True, None, False, "rank 0's HTTP request: the server accepts and sends nothing for "
+                            "the whole wait, then answers"),
     # --- faults: the same waits made dead ---------------------------------------------------------
     "http_server_stopped": Pattern(False, 0, False, "the HTTP server freezes mid-download (SIGSTOP)"),
     "stream_peer_stopped": Pattern(False, 0, True, "the raw stream's server freezes (SIGSTOP)"),
@@ -81,6 +88,9 @@ PATTERNS: dict[str, Pattern] = {
     "writer_stopped": Pattern(False, 0, False, "the FIFO's writer freezes (SIGSTOP) while rank 0 select()s"),
     "flock_self": Pattern(False, 0, False, "rank 0 flocks one file through two open files"),
     "loader_worker_stopped": Pattern(False, 0, True, "rank 0's persistent DataLoader worker stops (SIGSTOP)"),
+    "hf_eval_server_stopped": Pattern(False, 0, False, "HF Trainer evaluation: the scoring service freezes mid-answer"),
+    "lightning_val_child_stopped": Pattern(False, 0, True, "Lightning validation: the evaluator child stops (SIGSTOP)"),
+    "stall_server_stopped": Pattern(False, 0, False, "the stalling server freezes (SIGSTOP), its connection open"),
 }
 
 
@@ -120,6 +130,7 @@ class Ctx:
     wait: float
     tmp: str  # a directory shared by the ranks (same MASTER_PORT)
     live: bool  # a fault pattern on its faulty attempt
+    step: int = 0  # steps done so far: a framework's steps go on from here (and print step= lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,6 +364,97 @@ def loader(c: Ctx, stop: bool = False) -> None:
             pass
 
 
+def server_stall(c: Ctx, stop: bool = False) -> None:
+    if c.rank == 0:
+        extra = ["--stop-after", "0"] if stop else []  # freezes right after reading the request
+        _, port = helper("stall", "--seconds", str(c.wait), *extra)
+        if stop:
+            fault("stall_server_stopped", 0)
+        download(f"http://127.0.0.1:{port}/answer")
+
+
+def step_line(c: Ctx) -> None:
+    c.step += 1
+    print(f"step={c.step} rank={c.rank} t={time.time():.6f}", flush=True)
+
+
+def hf_eval(c: Ctx, stop: bool = False) -> None:
+    """A Hugging Face Trainer (tiny GPT-2 from a config, no downloads) that evaluates every 3
+    steps; rank 0's compute_metrics scores the gathered predictions with a slow remote service the
+    first time, while rank 1 goes on to the next step and waits there in its collective."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from token_data import Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    port = 0
+    if c.rank == 0:
+        extra = ["--stop-after", "100000"] if stop else []
+        _, port = helper("http", "--rate", "40000", "--seconds", str(c.wait), *extra)
+    scored: list[int] = []
+
+    def metrics(pred) -> dict:
+        if c.rank == 0 and not scored:
+            scored.append(download(f"http://127.0.0.1:{port}/score", "hf_eval_server_stopped" if stop else ""))
+        return {"n": float(len(pred.label_ids))}
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_line(c)
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=128, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))  # fmt: skip
+    targs = TrainingArguments(
+        output_dir=os.path.join(c.tmp, f"hf-{c.rank}"), max_steps=6, eval_strategy="steps", eval_steps=3,
+        save_strategy="no", per_device_train_batch_size=4, per_device_eval_batch_size=8, report_to=[],
+        use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, disable_tqdm=True, logging_steps=100,
+    )  # fmt: skip
+    Trainer(model=model, args=targs, train_dataset=Tokens(64), eval_dataset=Tokens(16), compute_metrics=metrics,
+            callbacks=[Steps()]).train()  # fmt: skip
+
+
+def lightning_val(c: Ctx, stop: bool = False) -> None:
+    """A Lightning fit (DDP on the job's gloo group) that validates every 3 steps with a synced
+    metric; at the end of the first validation rank 0 runs an evaluator CLI (a child that waits on
+    a remote service) while rank 1 waits in the next collective."""
+    import lightning.pytorch as pl
+
+    evaluated: list[bool] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+        def on_validation_epoch_end(self) -> None:
+            if c.rank == 0 and not evaluated:
+                evaluated.append(True)
+                if stop:
+                    child_stopped(c)
+                else:
+                    child_idle(c)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            step_line(c)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+    trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp", max_steps=6,
+                         val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=os.path.join(c.tmp, f"pl-{c.rank}"))  # fmt: skip
+    loader = functools.partial(torch.utils.data.DataLoader, data, batch_size=8)
+    trainer.fit(Module(), loader(), loader())
+
+
 def p2p_recv(c: Ctx) -> None:
     t = torch.zeros(4)
     if c.rank == 1:
@@ -385,6 +487,9 @@ WAITS: dict[str, Callable[[Ctx], None]] = {
     "loader_persistent": loader,
     "slow_sync": slow_sync,
     "event_wait": event_wait,
+    "hf_eval": hf_eval,
+    "lightning_val": lightning_val,
+    "server_stall": server_stall,
     "http_server_stopped": lambda c: http_download(c, stop=c.live),
     "stream_peer_stopped": lambda c: socket_stream(c, stop=c.live),
     "child_stopped": lambda c: child_stopped(c) if c.live else child_idle(c),
@@ -396,6 +501,9 @@ WAITS: dict[str, Callable[[Ctx], None]] = {
     "writer_stopped": lambda c: select_pipe(c, stop=c.live),
     "flock_self": lambda c: flock_self(c) if c.live else None,
     "loader_worker_stopped": lambda c: loader(c, stop=c.live),
+    "hf_eval_server_stopped": lambda c: hf_eval(c, stop=c.live),
+    "lightning_val_child_stopped": lambda c: lightning_val(c, stop=c.live),
+    "stall_server_stopped": lambda c: server_stall(c, stop=c.live),
 }
 assert set(WAITS) == set(PATTERNS)
 
@@ -413,10 +521,12 @@ def main() -> int:
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctx = None  # set below (the frameworks' steps go on from the loop's)
     step = 0
 
     def train(n: int) -> None:
         nonlocal step
+        step = max(step, ctx.step if ctx else 0)
         for _ in range(n):
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -434,6 +544,7 @@ def main() -> int:
     pattern = PATTERNS[args.pattern]
     ctx = Ctx(rank, args.wait_s, tmp, live=not pattern.healthy and attempt() == 0)
     train(args.steps_before)
+    ctx.step = step
     t0 = time.monotonic()
     try:
         WAITS[args.pattern](ctx)

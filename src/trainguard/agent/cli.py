@@ -1,22 +1,24 @@
 """`trainguard run [torchrun flags] [trainguard flags] SCRIPT [ARGS...]`
 
 The parser is torchrun's own (so every torchrun flag means what it means there), extended with
-trainguard's flags and each monitor's flags.
+trainguard's flags, each monitor's flags and the scheduler's. ``main`` turns the parsed flags into
+one typed, checked ``RunSettings`` (agent/settings.py) and launches with it: nothing below reads
+the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 
-from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+from torch.distributed.run import get_args_parser
 
-from trainguard.events import Severity
+from trainguard.agent.settings import RunSettings
+from trainguard.cluster.node_history import DEFAULT_NAME
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.monitors import plugins
-from trainguard.options import node_name, seconds
+from trainguard.options import SettingsError, node_name, non_negative, non_negative_int, seconds
+from trainguard.policy import PolicySettings
 from trainguard.schedulers import adapter as scheduler
 
 
@@ -65,6 +67,26 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-on-error", action="store_true",
                    help="restart on the user's own exception too, as torchrun does, while --max-restarts allows "
                    "(default: such a failure stops the job at once: a retry would fail the same way)")
+    g.add_argument("--nan-replays", type=non_negative_int, default=None, metavar="N",
+                   help="NaN triage: replay up to N NaN/inf failures per run from the newest finite snapshot, with "
+                   "every rank's gradients checked, before stopping on them (0: stop at once; default "
+                   f"{PolicySettings.nan_replays})")
+    g.add_argument("--restart-loop-attempts", type=non_negative_int, default=None, metavar="K",
+                   help="stop the job (exit 1) when K consecutive attempts fail the same way without passing the "
+                   "step the attempt before failed at; when the failures follow one node of several, exclude "
+                   "that node instead (0: off, default 3)")
+    g.add_argument("--node-history", default=None, metavar="PATH",
+                   help="the site's record of failed hosts (SQLite, in a directory the nodes share; default "
+                   f"{DEFAULT_NAME} next to the run dir)")
+    g.add_argument("--node-history-faults", type=non_negative_int, default=None, metavar="K",
+                   help="refuse a host at the pre-check that had K hardware-class faults in the window (0: off, default 2)")
+    g.add_argument("--node-history-window", type=non_negative, default=None, metavar="SECONDS",
+                   help="how far back the node history counts (default 604800: a week)")
+    g.add_argument("--standby", action="store_true",
+                   help="run this agent as a warm standby node: it joins the job's c10d rendezvous once the job's "
+                   "round has formed, waits with torch imported and trains nothing, and takes the place of the next "
+                   "node lost, so the world size stays the same (start one extra agent per standby node, with the "
+                   "job's --nnodes MIN:MAX and its own --node-name)")
     g.add_argument("--hold-on-failure", type=_minutes, default=None, metavar="MINUTES",
                    help="when the job fails here, keep this node's agent (and its allocation) alive this long for "
                    "inspection; SIGTERM ends the hold early")
@@ -105,33 +127,14 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate(args: argparse.Namespace) -> str | None:
-    """A clear message for input we can reject before starting anything."""
-    if not args.module and not args.no_python:
-        script = args.training_script
-        if not os.path.isfile(script):
-            return f"training script not found: {script}"
-    try:
-        parse_min_max_nnodes(args.nnodes)
-    except (RuntimeError, ValueError):
-        return f"--nnodes {args.nnodes!r}: expected a number of nodes N or MIN:MAX"
-    nproc = str(args.nproc_per_node).strip()
-    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
-        return f"--nproc-per-node must be at least 1 (or auto, gpu, cpu), got {nproc}"
-    if not (args.monitor_interval > 0 and math.isfinite(args.monitor_interval)):
-        return f"--monitor-interval must be a number of seconds > 0, got {args.monitor_interval}"
-    try:
-        Severity.parse(args.notify_severity)
-    except ValueError as exc:
-        return f"--notify-severity: {exc}"
-    return None
-
-
 def main(args: argparse.Namespace) -> int:
-    problem = validate(args)
-    if problem:
-        print(f"trainguard run: error: {problem}", file=sys.stderr)
+    """Build the run's settings once (every check: one line, exit EXIT_USAGE, nothing started),
+    then launch with them: below this point no room reads the command line."""
+    try:
+        settings = RunSettings.from_args(args)
+    except SettingsError as exc:
+        print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from trainguard.agent.launch import launch
 
-    return launch(args)
+    return launch(settings)

@@ -24,6 +24,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,11 +36,22 @@ from torch.distributed.elastic.multiprocessing.api import LogsSpecs
 from torch.distributed.elastic.utils import macros
 
 from trainguard import policy, stopsignal, torch_compat
+from trainguard.agent import file_timer
+from trainguard.agent import standby as standby_node
+from trainguard.agent.nantriage import NanTriage, last_steps
 from trainguard.cluster import exchange, runs
+from trainguard.cluster.node_history import (
+    NAN_TRANSIENT,
+    HistorySettings,
+    HistoryUnavailable,
+    NodeHistory,
+    path_for,
+)
 from trainguard.cluster.peers import Peers
 from trainguard.cluster.stores import ForgedValue, JobKey, Rejections, bound_store, can_connect
+from trainguard.diagnose.steplog import parse_step
 from trainguard.events import EventBus, Severity
-from trainguard.evidence import PeerStop, RankFailure
+from trainguard.evidence import AttemptRecord, NodeLost, PeerStop, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.policy import Action, Decision, PolicySettings
 from trainguard.probes import identity
@@ -51,6 +63,7 @@ log = logging.getLogger(__name__)
 STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the agent's own signal
 
 WORKER_STORE_KEY = "trainguard/worker_store"
+ROUND_ATTEMPT_KEY = "trainguard/round-attempt"  # the attempt node rank 0 starts in this round (a promoted standby takes it)
 NODE_NAME_KEY = "trainguard/node-name"  # + /<name>: the agent that goes by it in this round
 LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
 WORKER_STORE_WAIT_S = 60.0  # how long a node waits for node rank 0 to publish the workers' store (then the store's own wait)
@@ -103,6 +116,8 @@ class TrainguardAgent(LocalElasticAgent):
         exit_barrier_timeout: float = 300,
         stop_timeout: int = 15,
         torch_logs: LogsSpecs | None = None,
+        node_history: HistorySettings | None = None,
+        standby: bool = False,
     ) -> None:
         self.logs = RunDirLogsSpecs(run_dir, torch_logs)
         super().__init__(spec, self.logs, exit_barrier_timeout=exit_barrier_timeout)
@@ -112,6 +127,8 @@ class TrainguardAgent(LocalElasticAgent):
         self.pool = pool
         self.target = target
         self.policy_settings = policy_settings
+        # the site's node history (cluster/node_history.py): None once it failed (said once)
+        self.history: NodeHistory | None = NodeHistory(path_for(node_history.path, run_dir)) if node_history else None
         self.rdzv_backend = rdzv_backend
         self.tee_ranks = tee_ranks
         self.stop_timeout = stop_timeout
@@ -129,11 +146,15 @@ class TrainguardAgent(LocalElasticAgent):
         self.restart_reason = "worker failure"
         self.new_round = False  # the policy decided RERENDEZVOUS: the coming restart uses no budget
         self.final_failures: dict[int, RankFailure] = {}
+        self.attempts: list[AttemptRecord] = []  # this node's failed attempts, for the restart-loop guard
         self.stop_decision: Decision | None = None
         self._worker_store: Any = None
         self._last_call_s: float | None = None  # the user's last call while a shorter one is set
         self._warmed = False
         self._agent_id = secrets.token_hex(4)  # tells two agents under one --node-name apart
+        self.nan = NanTriage(run_dir, bus.node, policy_settings.nan_replays)
+        self.standby = standby  # --standby: waits beside the job until a node is lost (agent/standby.py)
+        self.standby_waiting = standby  # not yet promoted into a round
 
     # ---- carrying out decisions ---------------------------------------------------------------
     def carry_out(self, d: Decision, *, before_start: bool = False, made_here: bool = True) -> None:
@@ -147,6 +168,10 @@ class TrainguardAgent(LocalElasticAgent):
         JobStopped; while running, no restarts are left, and the other agents are told to stop."""
         if made_here:
             self.record(d)
+        if made_here and d.source == "restart_loop":
+            self._record_loop(d)
+        if made_here:
+            self._remember(d)
         if d.action == Action.CONTINUE:
             return
         if d.action == Action.EXCLUDE_NODE:
@@ -167,6 +192,8 @@ class TrainguardAgent(LocalElasticAgent):
             if made_here:
                 wg = self.get_worker_group()
                 self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, d.reason)
+        elif d.action == Action.RESTART and d.source == "nan_triage":  # the replay is a check, not a retry
+            torch_compat.set_remaining_restarts(self, torch_compat.remaining_restarts(self) + 1)
         elif d.action == Action.RERENDEZVOUS:  # a membership change does not use the restart budget
             torch_compat.set_remaining_restarts(self, torch_compat.remaining_restarts(self) + 1)
             self.new_round = True
@@ -189,6 +216,29 @@ class TrainguardAgent(LocalElasticAgent):
         if self._last_call_s is None:
             self._last_call_s = before
 
+    def _remember(self, d: Decision) -> None:
+        """Put a hardware-class fault, an exclusion or a restart loop of this host in the site's
+        node history; a history that cannot be written is said once and left alone."""
+        kind = policy.history_kind(d)
+        if kind is not None:
+            self._history_record(kind, d.reason)
+
+    def _history_record(self, kind: str, detail: str) -> None:
+        if self.history is None:
+            return
+        try:
+            self.history.record(self.bus.node, kind, detail, str(self.run_dir))
+        except HistoryUnavailable as exc:
+            print(f"trainguard: {exc}", file=sys.stderr, flush=True)
+            log.warning("%s", exc)
+            self.history = None
+
+    def _record_loop(self, d: Decision) -> None:
+        loop = d.evidence.get("restart_loop", {})
+        self.bus.emit("restart_loop", d.reason, severity=Severity.CRITICAL, rank=d.rank,
+                      evidence={"action": d.action.value, **loop, "tried": d.evidence.get("tried"),
+                                "remaining_restarts": d.evidence.get("remaining_restarts")})
+
     def record(self, d: Decision) -> None:
         self.bus.emit(
             "policy_decision",
@@ -201,6 +251,8 @@ class TrainguardAgent(LocalElasticAgent):
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
+        if self.standby_waiting:
+            standby_node.await_formed_round(worker_group.spec.rdzv_handler, self.bus.emit, self.bus.node)
         if self.run_info is None:  # the first join: torch's skew between nodes joining at once
             super()._rendezvous(worker_group)
         else:
@@ -208,11 +260,18 @@ class TrainguardAgent(LocalElasticAgent):
                 super()._rendezvous(worker_group)
         self._join_run(worker_group)
         self._claim_node_name(worker_group)
+        promoted, self.standby_waiting = self.standby_waiting, False
+        if promoted:
+            world = worker_group.workers[0].world_size if worker_group.workers else 0
+            standby_node.promoted(self.bus.emit, self.bus.node, worker_group.group_rank or 0,
+                                  worker_group.group_world_size or 1, world)
         if self._last_call_s is not None:  # a round after a membership change has formed: back to the user's wait
             torch_compat.set_last_call(worker_group.spec.rdzv_handler, self._last_call_s)
             self._last_call_s = None
         if worker_group.spec.rdzv_handler.use_agent_store:
             self._fresh_worker_store(worker_group)
+            if promoted:
+                self._take_round_attempt(worker_group)
 
     def _join_run(self, wg: WorkerGroup) -> None:
         """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
@@ -261,6 +320,7 @@ class TrainguardAgent(LocalElasticAgent):
             del old  # stops the previous round's server
             self._worker_store = bound_store(self.advertise_addr)
             where = f"{self.advertise_addr}:{self._worker_store.port}"
+            signed.set(ROUND_ATTEMPT_KEY, str(self.attempt + 1))  # before the address the others wait for
             signed.set(WORKER_STORE_KEY, where)
         self._await_worker_store(store, wg.group_world_size or 1)
         try:
@@ -280,6 +340,17 @@ class TrainguardAgent(LocalElasticAgent):
                 self.peers.stop_everywhere(store, wg.group_world_size or 1, msg)
                 raise NodesUnreachable(msg)
 
+    def _take_round_attempt(self, wg: WorkerGroup) -> None:
+        """A promoted standby numbers its first attempt as the round's (node rank 0's), not as the
+        run's first: in a shared run dir its logs then go to the round's ``logs/attempt-<n>``,
+        never into the lost node's files of an earlier attempt under the same rank."""
+        try:
+            theirs = int(self.peers.signed(wg.store).get(ROUND_ATTEMPT_KEY))
+        except Exception as exc:  # an older agent at rank 0, or a forged value: keep the run's numbering
+            log.warning("standby %s: the round's attempt number is not known (%s)", self.bus.node, exc)
+            return
+        self.attempt = max(self.attempt, theirs - 1)  # _before_start counts it
+
     def _await_worker_store(self, store: Any, nnodes: int) -> None:
         """Wait for node rank 0 to publish the workers' store, unless another agent stops the job
         first (it found two agents under one name, or cannot reach us): said at once, not after
@@ -290,6 +361,17 @@ class TrainguardAgent(LocalElasticAgent):
             if isinstance(news, PeerStop):
                 raise NodesUnreachable(f"stopped by another node before the workers started: {news.reason}")
             time.sleep(0.1)
+
+    def _timer_expired(self, pid: int, scope: str, sig: int) -> None:
+        """A worker overran its own ``torch.distributed.elastic.timer`` (it said how long it may take)."""
+        rank = next((w.global_rank for w in (self.ctx.workers if self.ctx else []) if w.pid == pid), None)
+        self.bus.emit(
+            "worker_timer_expired",
+            f"rank {rank} (pid {pid}) overran its elastic timer {scope!r}: killed with signal {sig}",
+            severity=Severity.ERROR,
+            rank=rank,
+            evidence={"pid": pid, "scope": scope, "signal": sig},
+        )
 
     def _rejected_write(self, key: str, value: str) -> None:
         self.bus.emit(
@@ -377,6 +459,7 @@ class TrainguardAgent(LocalElasticAgent):
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
         env.update(self.monitors.worker_env(self.run_dir))
+        env.update(self.nan.worker_env(self.attempt))
         return env
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -386,6 +469,8 @@ class TrainguardAgent(LocalElasticAgent):
         for worker in worker_group.workers:
             envs[worker.local_rank] = self._worker_env(worker_group, worker, restart_count)
             args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
+        timers = file_timer.start(envs, lambda: set(self.procs.pids().values()), self._timer_expired)
+        torch_compat.start_worker_watchdogs(self, timers)  # torchrun's file timer and health check
         self.procs = TrainguardPContext(
             name=spec.role,
             target=self.target,
@@ -396,6 +481,7 @@ class TrainguardAgent(LocalElasticAgent):
             tee_ranks=self.tee_ranks,
         )
         torch_compat.set_process_context(self, self.procs)  # torch's monitor and shutdown use it
+        self.nan.on_start(self.attempt)
         self.procs.start()
         pids = self.procs.pids()
         workers = [WorkerInfo(w.local_rank, w.global_rank, pids[w.local_rank]) for w in worker_group.workers]
@@ -438,6 +524,8 @@ class TrainguardAgent(LocalElasticAgent):
         reason = ("another node restarted or joined: new rendezvous round"
                   if worker_group.state == WorkerState.HEALTHY else self.restart_reason)
         what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
+        if self.nan.armed and not membership:
+            what = "NaN replay, no restart used"
         self.bus.emit(
             "restart",
             f"restarting workers ({what}): {reason}",
@@ -463,6 +551,8 @@ class TrainguardAgent(LocalElasticAgent):
             return self._on_failure(worker_group, result)
         if result.state == WorkerState.SUCCEEDED and self.procs is not None and self.procs.exit_crashes:
             failures.report_exit_crashes(self.bus, self.procs, self.attempt)
+        if result.state == WorkerState.SUCCEEDED and self.nan.replaying(self.attempt):
+            self._nan_transient(worker_group)
         return result
 
     def _follow_peers(self, wg: WorkerGroup, force: bool = False) -> Decision | None:
@@ -477,13 +567,16 @@ class TrainguardAgent(LocalElasticAgent):
     def _poll_monitors(self, wg: WorkerGroup, result: RunResult) -> RunResult:
         if self.ctx is None:
             return result
+        if self.nan.replaying(self.attempt) and self.nan.past_the_nan(self.steps):
+            self._nan_transient(wg)
         peer = self._follow_peers(wg)
         if peer is not None:
             return RunResult(state=WorkerState.UNHEALTHY if peer.action == Action.RERENDEZVOUS else WorkerState.FAILED)
         nnodes = wg.group_world_size or 1
         for evidence in self.monitors.each("poll", self.ctx):
             try:
-                decision = policy.decide_while_running(evidence, self.policy_settings, nnodes)
+                standbys = _standbys(wg) if isinstance(evidence, NodeLost) else 0
+                decision = policy.decide_while_running(evidence, self.policy_settings, nnodes, standbys)
             except Exception:  # no decision is the safe side while the job runs: keep watching
                 log.exception("policy failed on %r", evidence)
                 continue
@@ -506,9 +599,10 @@ class TrainguardAgent(LocalElasticAgent):
         try:
             if found is not None and found.lost is not None:  # another node vanished: not this node's failure
                 nnodes = wg.group_world_size or 1
-                self.carry_out(policy.decide_on_node_lost(found.lost, nnodes, self.policy_settings.min_nodes(nnodes)))
+                self.carry_out(policy.decide_on_node_lost(found.lost, nnodes, self.policy_settings.min_nodes(nnodes),
+                                                          _standbys(wg)))
                 return result
-            decision = policy.decide_on_failure(
+            decision = self._nan_decision(wg, found) or policy.decide_on_failure(
                 fs.failures,
                 torch_compat.remaining_restarts(self),
                 found.diagnosis if found else None,
@@ -520,8 +614,74 @@ class TrainguardAgent(LocalElasticAgent):
         except Exception as exc:  # the policy failing must not take the job with it
             log.exception("policy failed")
             decision = policy.decide_without_policy(exc)
+        else:
+            decision = self._guard_restart_loop(wg, fs.failures, found, decision)
         self.carry_out(decision)
         return result
+
+    # ---- NaN triage (issue 32) ----------------------------------------------------------------
+    def _local_ranks(self) -> set[int]:
+        return {w.global_rank for w in self.ctx.workers} if self.ctx is not None else set()
+
+    def _nan_decision(self, wg: WorkerGroup, found: Any) -> Decision | None:
+        """A NaN failure is replayed once; the replay's failure is judged by the triage. None: the
+        failure is not the triage's (decided as any other)."""
+        diagnosis = found.diagnosis if found is not None else None
+        hardware = found.hardware if found is not None else None
+        if self.nan.replaying(self.attempt):
+            replay = self.nan.replay_evidence(self.attempt, diagnosis, self._local_ranks())
+            first = self.nan.done()
+            if replay is None:  # the replay failed otherwise before reaching the NaN: not judged
+                return None
+            nnodes = wg.group_world_size or 1
+            return policy.decide_after_nan_replay(first, replay, hardware, self.bus.node, nnodes,
+                                                  self.policy_settings.min_nodes(nnodes))  # fmt: skip
+        if found is None or found.hang is not None or not policy.is_nan_failure(diagnosis):
+            return None
+        if hardware is not None and not hardware.healthy:
+            return None  # a located hardware fault: isolated as any other (scenario 3)
+        assert diagnosis is not None
+        first = self.nan.first_from(diagnosis, self.attempt, self._local_ranks())
+        decision = policy.decide_nan_replay(first, self.nan.replays_left)
+        if decision is not None:
+            self.nan.arm(first, self.steps)
+        return decision
+
+    def _nan_transient(self, wg: WorkerGroup) -> None:
+        """The replay went past the NaN without one: a transient fault, recorded; training goes on."""
+        first = self.nan.done()
+        nnodes = wg.group_world_size or 1
+        self.carry_out(policy.decide_after_nan_replay(first, None, None, self.bus.node, nnodes,
+                                                      self.policy_settings.min_nodes(nnodes)))  # fmt: skip
+        evidence = self.nan.transient_evidence(first, self.attempt)
+        where = f"rank {first.rank}" + (f" on node {first.node}" if first.node else "")
+        self.bus.emit("nan_transient", f"NaN of attempt {first.attempt} did not reproduce in its replay: "
+                      f"a transient fault at {where}", severity=Severity.WARNING, rank=first.rank, evidence=evidence)
+        if evidence["node"] == self.bus.node:  # the NaN came from this host: the site's history keeps it
+            self._history_record(NAN_TRANSIENT, f"a NaN at rank {first.rank} (attempt {first.attempt}) did not come "
+                                 f"back in its replay (attempt {self.attempt})")
+
+    def _guard_restart_loop(self, wg: WorkerGroup, fs: dict[int, RankFailure], found: Any, decision: Decision) -> Decision:
+        """Record the failed attempt; a restart that would repeat a restart loop becomes the
+        policy's loop decision. The guard failing leaves the failure policy's decision standing."""
+        try:
+            self.attempts.append(self._attempt_record(wg, fs, found.diagnosis if found else None))
+            return policy.guard_restart_loop(decision, self.attempts, self.policy_settings, wg.group_world_size or 1)
+        except Exception:
+            log.exception("restart-loop guard failed")
+            return decision
+
+    def _attempt_record(self, wg: WorkerGroup, fs: dict[int, RankFailure], diagnosis: Any) -> AttemptRecord:
+        """How far the failed attempt got and how it failed, for the restart-loop guard. The step:
+        the highest step number the ranks' last log lines print (the job's own numbering, which
+        goes on across restarts from a snapshot), else the steps the spans counted this attempt."""
+        step, source = steps_in_logs(fs), "log"
+        if step is None:
+            step = last_steps(self.steps)
+            source = "spans"
+        own = sorted(r for r, f in fs.items() if not f.collateral and not failures.lost_peer(f))
+        return AttemptRecord(self.attempt, self.bus.node, policy.failure_kind(fs, diagnosis), step,
+                             source if step is not None else "", bool(own), wg.group_world_size or 1, tuple(own))
 
     def _await_own_stop_signal(self) -> None:
         """The workers died of SIGTERM (or another stop signal): a scheduler stopping the job
@@ -542,12 +702,27 @@ class TrainguardAgent(LocalElasticAgent):
         self._worker_store = None
 
 
+def steps_in_logs(fs: dict[int, RankFailure]) -> int | None:
+    """The highest step number in the failed ranks' last log lines (None: they print none)."""
+    found = [o.iteration for f in fs.values() for line in f.log_tail if (o := parse_step(line, 0.0)) is not None]
+    return max(found, default=None)
+
+
 def _nodes_waiting(wg: WorkerGroup) -> int:
     """Nodes waiting in the rendezvous for a new round (0 when the store cannot say)."""
     try:
         return wg.spec.rdzv_handler.num_nodes_waiting()
     except Exception as exc:  # the store host may be what failed: no membership change known
         log.debug("num_nodes_waiting failed: %s", exc)
+        return 0
+
+
+def _standbys(wg: WorkerGroup) -> int:
+    """Standby nodes waiting in the rendezvous (0 when the store cannot say)."""
+    try:
+        return torch_compat.rendezvous_standbys(wg.spec.rdzv_handler)
+    except Exception as exc:  # the store host may be what was lost: no standby known
+        log.debug("reading the rendezvous' standbys failed: %s", exc)
         return 0
 
 

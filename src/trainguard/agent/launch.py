@@ -2,45 +2,38 @@
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
 import os
-import secrets
 import signal
-import socket
 import sqlite3
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
-from torch.distributed.elastic.multiprocessing.api import SignalException, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-from torch.distributed.elastic.utils import macros
 from torch.distributed.launcher.api import LaunchConfig
-from torch.distributed.run import config_from_args, get_use_env, parse_min_max_nnodes
+from torch.distributed.run import config_from_args
 
 from trainguard import stopsignal
-from trainguard.agent import console, hold, runlock
+from trainguard.agent import console, hold, runlock, standby
 from trainguard.agent.elastic import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
+from trainguard.agent.settings import LaunchSettings, RunSettings, TorchRun
 from trainguard.cluster import keeper
 from trainguard.cluster.stores import JobKey, address_toward, bound_store, is_loopback, reaches_loopback
 from trainguard.events import EventBus, EventStore, Severity
-from trainguard.events.notify import Notifier, bad_urls, urls_from_env
+from trainguard.events.notify import Notifier
 from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
 from trainguard.monitors import plugins
-from trainguard.options import node_name_problem
-from trainguard.policy import Decision, PolicySettings
+from trainguard.policy import Decision
 from trainguard.schedulers import adapter as scheduler
-from trainguard.schedulers import slurm
 from trainguard.spawn import logs
-from trainguard.spawn.pcontext import Target
 from trainguard.spawn.pool import WorkerPool
 
 log = logging.getLogger("trainguard")
@@ -50,16 +43,7 @@ class UsageError(Exception):
     pass
 
 
-def _job_id(args: argparse.Namespace) -> str:
-    if args.job_id:
-        return args.job_id
-    if args.rdzv_id and args.rdzv_id != "none":
-        return args.rdzv_id
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-
-
-def prepare_run_dir(args: argparse.Namespace) -> Path:
-    run_dir = Path(args.run_dir or Path("trainguard-runs") / _job_id(args)).absolute()
+def prepare_run_dir(run_dir: Path) -> Path:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -81,38 +65,6 @@ def _setup_logging(run_dir: Path, node: str) -> None:
     stream.addFilter(console.ConsoleFilter())  # trainguard's lines; torch's go to the agent log
     root.addHandler(stream)
     console.route_torch_logging()
-
-
-def _target(args: argparse.Namespace) -> Target:
-    if args.no_python:
-        return Target(binary=args.training_script)
-    if args.module:
-        return Target(module=args.training_script)
-    return Target(script=os.path.abspath(args.training_script))
-
-
-def _standalone(args: argparse.Namespace) -> bool:
-    """Same defaults as torchrun's run(); True for a single-node job on loopback (its stores then
-    listen on 127.0.0.1 only, see ``_loopback_rendezvous``)."""
-    single = False
-    if args.standalone:
-        args.rdzv_backend = "c10d"
-        args.rdzv_endpoint = "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-        single = True
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        if parse_min_max_nnodes(args.nnodes)[1] == 1:
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-            single = True
-    if args.master_port is None:
-        args.master_port = 29500
-    return single
-
-
-def _torch_files_wanted(args: argparse.Namespace) -> bool:
-    """Whether the user asked for torchrun's own per-rank files (--log-dir, --redirects, --tee):
-    the workers' output is then also written where torchrun writes it (its specs' directories)."""
-    return bool(args.log_dir) or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE
 
 
 def _loopback_rendezvous(config) -> object:
@@ -199,8 +151,22 @@ def _install_signal_handlers() -> None:
     # unwinds through our cleanup, instead of killing the agent and orphaning its workers. torch
     # elastic's agent catches the same SignalException to stop its workers.
     # SIGUSR1: Slurm's warning before the time limit or preemption (sbatch --signal=USR1@N).
+    # A SIGHUP ignored at start is nohup's promise that the job outlives its terminal: keep it.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-        signal.signal(sig, _raise_signal)
+        if not (sig == signal.SIGHUP and _under_nohup()):
+            signal.signal(sig, _raise_signal)
+
+
+def _under_nohup() -> bool:
+    return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def _torch_signals(configured: str) -> str:
+    """torchrun's --signals-to-handle for torch's PContext.start, less SIGHUP under nohup (torch
+    would register it over nohup's SIG_IGN and stop the job when its terminal closes)."""
+    if not _under_nohup():
+        return configured
+    return ",".join(n for n in configured.split(",") if n.strip() != "SIGHUP")
 
 
 def _static_master(params: RendezvousParameters) -> tuple[str | None, int | None]:
@@ -243,47 +209,27 @@ def _nodes_left(agent: TrainguardAgent | None, d: Decision) -> tuple[int | None,
     return nnodes - leaving, agent.policy_settings.min_nodes(nnodes)
 
 
-def launch(args: argparse.Namespace) -> int:
-    slurm_job = scheduler.autodetect(args)  # before the run dir: it is keyed by the job id
+def launch(settings: RunSettings) -> int:
+    """Run this node's part of the job, from the settings built (and checked) once by the parser."""
     try:
-        # Every monitor's settings are read first: one that cannot start stops the launch here,
-        # before a run dir, a process or a port exists.
-        monitors = plugins.create_monitors(args)
-        bad = bad_urls((args.notify or []) + urls_from_env())
-        if bad:  # said now, not at the first failure a job has hours later
-            raise UsageError(f"notification URL not understood: {bad[0]} (see https://github.com/caronc/apprise)")
-        names = _node_names(args)
-        if problem := node_name_problem(names[0]):  # a name from the scheduler or the hostname: checked like --node-name
-            raise UsageError(f"node name {problem}; give --node-name")
-        run_dir, lock, store, node = _open_run_dir(args, names)
+        # Every monitor is made first: one that cannot start stops the launch here, before a run
+        # dir, a process or a port exists.
+        monitors = plugins.create_monitors(settings.monitors)
+        run_dir, lock, store, node = _open_run_dir(settings.launch)
     except (plugins.MonitorStartError, UsageError, runlock.RunDirBusy) as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _launch(args, run_dir, node, monitors, store, slurm_job)
+        return _launch(settings, run_dir, node, monitors, store)
     finally:
         lock.release()  # last: the run dir is this job's until everything above is done
 
 
-def _node_names(args: argparse.Namespace) -> list[str]:
-    """The names this node may take, first free one wins: --node-name, else the host name; for a
-    multi-node job without --node-name also ``<host>-1``, ``<host>-2``... so that several agents of
-    one job on one host (torchrun allows it: each is a node) get distinct names and locks. A
-    single-node job keeps one name: a second one on its run dir is a mistake, refused."""
-    if args.node_name:
-        return [args.node_name]
-    host = socket.gethostname()
-    try:
-        max_nodes = parse_min_max_nnodes(args.nnodes)[1]
-    except (RuntimeError, ValueError):  # said by config_from_args, in one line
-        max_nodes = 1
-    return [host, *(f"{host}-{i}" for i in range(1, max_nodes))]
-
-
-def _open_run_dir(args: argparse.Namespace, names: list[str]) -> tuple[Path, runlock.RunDirLock, EventStore, str]:
-    """The run dir, locked for this node (the first of ``names`` not taken), this node's event
+def _open_run_dir(launch: LaunchSettings) -> tuple[Path, runlock.RunDirLock, EventStore, str]:
+    """The run dir, locked for this node (the first of its names not taken), this node's event
     database in it, and the node's name."""
-    run_dir = prepare_run_dir(args)
+    run_dir = prepare_run_dir(launch.run_dir)
+    names = launch.node_names
     for node in names:
         try:
             lock = runlock.acquire(run_dir, node)
@@ -325,20 +271,16 @@ class Outcome:
     shutdown_rdzv: bool = True
 
 
-def _resolve_job(args: argparse.Namespace) -> Job:
-    """torchrun's config from the flags, the rendezvous store this node hosts, its address."""
-    user_rdzv_id = args.rdzv_id
-    single = _standalone(args)
-    torch_files = _torch_files_wanted(args)
-    if not torch_files:
-        args.log_dir = os.devnull  # torch's specs then make no torchelastic_* directory in $TMPDIR
+def _resolve_job(torchrun: TorchRun) -> Job:
+    """torchrun's config from its flags, the rendezvous store this node hosts, its address."""
+    single, torch_files = torchrun.single, torchrun.torch_files
     try:
-        config, cmd, _ = config_from_args(args)
+        config, cmd, _ = config_from_args(torchrun.args)  # torch's own function: torch's Namespace
     except (AssertionError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     # What torchrun's launch_agent sets in its own environment, and so in its workers'.
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    if user_rdzv_id == "none" and not args.standalone:
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _torch_signals(config.signals_to_handle)
+    if torchrun.fresh_run_id:
         config.run_id = str(uuid.uuid4())
     missing = _missing_rendezvous_client(config.rdzv_backend)
     if missing:
@@ -362,28 +304,24 @@ def _resolve_job(args: argparse.Namespace) -> Job:
     return Job(config, cmd, single, advertise, rdzv, rdzv_server, config.logs_specs if torch_files else None)
 
 
-def _event_bus(args: argparse.Namespace, store: EventStore, node: str, run_dir: Path) -> tuple[EventBus, Notifier]:
+def _event_bus(launch: LaunchSettings, store: EventStore, node: str, run_dir: Path) -> tuple[EventBus, Notifier]:
     if not store.reserve_ok:
         log.warning("the disk of %s is full: events are stored in what is left of the event store's reserve", store.path)
     bus = EventBus(store, node=node)
-    notifier = Notifier((args.notify or []) + urls_from_env(), Severity.parse(args.notify_severity), job=run_dir.name)
+    notifier = Notifier(list(launch.notify), launch.notify_severity, job=run_dir.name)
     bus.subscribe(notifier)
     return bus, notifier
 
 
-def _make_agent(args: argparse.Namespace, job: Job, run_dir: Path, monitors: list, bus: EventBus,
+def _make_agent(settings: RunSettings, job: Job, run_dir: Path, monitors: list, bus: EventBus,
                 pool: WorkerPool) -> TrainguardAgent:
-    config = job.config
-    # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
-    script_args = list(args.training_script_args)
-    if not get_use_env(args):
-        script_args.insert(0, f"--local-rank={macros.local_rank}")
+    config, launch = job.config, settings.launch
     master_addr, master_port = _static_master(job.rdzv)
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=job.cmd,
-        args=tuple(script_args),
+        args=launch.script_args,
         rdzv_handler=rdzv_registry.get_rendezvous_handler(job.rdzv),
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
@@ -391,30 +329,31 @@ def _make_agent(args: argparse.Namespace, job: Job, run_dir: Path, monitors: lis
         master_port=master_port,
         local_addr=config.local_addr,
     )
-    tee = None if not args.quiet else set()
-    if args.local_ranks_filter:
-        tee = {int(r) for r in args.local_ranks_filter.split(",")}
     return TrainguardAgent(
         spec,
         run_dir=run_dir,
         bus=bus,
         monitors=monitors,
         pool=pool,
-        target=_target(args),
-        policy_settings=PolicySettings.from_options(args),
+        target=launch.target,
+        policy_settings=settings.policy,
         rdzv_backend=config.rdzv_backend,
         advertise_addr=job.advertise,
         job_key=JobKey.for_job(config.run_id, single_node=job.single),
-        tee_ranks=tee,
-        exit_barrier_timeout=args.exit_barrier_timeout,
-        stop_timeout=args.worker_stop_timeout,
+        tee_ranks=None if launch.tee_ranks is None else set(launch.tee_ranks),
+        exit_barrier_timeout=launch.exit_barrier_timeout,
+        stop_timeout=launch.stop_timeout,
         torch_logs=job.torch_logs,
+        node_history=launch.node_history,
+        standby=launch.standby,
     )
 
 
 def _run_agent(agent: TrainguardAgent, bus: EventBus, node: str, max_restarts: int) -> Outcome:
     """Run the job to its end on this node; the event that says how it ended."""
     result = agent.run()
+    if result is None and agent.standby_waiting:  # torch's graceful exit: the job closed its rendezvous
+        return _standby_released(bus, node, "")
     if result is not None and result.state == WorkerState.SUCCEEDED:
         bus.emit("job_succeeded", f"workers on {node} finished successfully", evidence={"attempts": agent.restarts_this_run + 1})
         return Outcome(EXIT_OK, "the job succeeded")
@@ -437,6 +376,12 @@ def _run_agent(agent: TrainguardAgent, bus: EventBus, node: str, max_restarts: i
     return out
 
 
+def _standby_released(bus: EventBus, node: str, how: str) -> Outcome:
+    """A standby that was never needed: the job ended (or its rendezvous went away) while it waited."""
+    standby.released(bus.emit, node, how)
+    return Outcome(EXIT_OK, "the job ended without needing this standby" + how, shutdown_rdzv=False)
+
+
 def _excluded(exc: NodeExcluded, agent: TrainguardAgent | None, job: Job, node: str, bus: EventBus,
               sched: scheduler.Scheduler) -> Outcome:
     d = exc.decision
@@ -446,7 +391,7 @@ def _excluded(exc: NodeExcluded, agent: TrainguardAgent | None, job: Job, node: 
     out = Outcome(EXIT_EXCLUDED, f"{d.exit_message} {d.reason}".strip(), shutdown_rdzv=False)
     nodes_left, min_nodes = _nodes_left(agent, d)
     sched.on_excluded(node, d.reason, nodes_left, min_nodes)
-    if agent is not None:
+    if agent is not None and not job.single:  # a single-node job has no other nodes to serve
         _keep_rendezvous_store(agent, job.rdzv, bus)
     return out
 
@@ -471,18 +416,25 @@ def _ended_by(exc: Exception, agent: TrainguardAgent | None, job: Job, node: str
             sched.on_preempted(exc.sigval, node)
         bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
         return Outcome(signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)", shutdown_rdzv=False)
+    if isinstance(exc, RendezvousConnectionError) and agent is not None and agent.standby_waiting:
+        # c10d's store lives in node rank 0's agent, which exits when the job ends: a waiting
+        # standby's next read may fail before it sees the rendezvous closed
+        return _standby_released(bus, node, f" (its rendezvous store went away: {_root_cause(exc)})")
     if isinstance(exc, RendezvousConnectionError):
         cfg = job.config
         verdict = f"cannot reach the {cfg.rdzv_backend} rendezvous at {cfg.rdzv_endpoint}: {_root_cause(exc)}"
         bus.emit("job_failed", f"job failed: {verdict}", severity=Severity.CRITICAL, evidence={"reason": verdict})
         print(f"trainguard run: error: {verdict}", file=sys.stderr)
-        return Outcome(verdict=verdict)
+        # shutdown_rdzv False: this node is the one cut off; once its link is back, closing the
+        # rendezvous on the way out would end the job for the nodes that went on (bench/soak.py:
+        # a net-cut node closed it 70 s later, and the others' next re-rendezvous failed).
+        return Outcome(verdict=verdict, shutdown_rdzv=False)
     log.exception("agent failed")
     bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
     return Outcome()
 
 
-def _stop(args: argparse.Namespace, out: Outcome, agent: TrainguardAgent | None, pool: WorkerPool,
+def _stop(launch: LaunchSettings, out: Outcome, agent: TrainguardAgent | None, pool: WorkerPool,
           sched: scheduler.Scheduler, bus: EventBus, run_dir: Path) -> None:
     """Close down this node's part of the job, in the order that loses nothing."""
     if out.shutdown_rdzv and agent is not None:
@@ -492,8 +444,8 @@ def _stop(args: argparse.Namespace, out: Outcome, agent: TrainguardAgent | None,
             pass
     # After the rendezvous is closed (the other nodes are not kept waiting), before the
     # monitors close (the metrics endpoint and status stay up while held).
-    if out.code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and args.hold_on_failure:
-        hold.hold(args.hold_on_failure, bus, run_dir, "excluded" if out.code == EXIT_EXCLUDED else "failed")
+    if out.code in (EXIT_FAILED, EXIT_EXCLUDED, EXIT_NODE_FAULT) and launch.hold_on_failure:
+        hold.hold(launch.hold_on_failure, bus, run_dir, "excluded" if out.code == EXIT_EXCLUDED else "failed")
     # Stopping: a signal now (Slurm's requeue by another node, a time limit) must not cut short
     # persisting the snapshots and stopping the workers.
     for sig in scheduler.STOP_SIGNALS:
@@ -504,31 +456,28 @@ def _stop(args: argparse.Namespace, out: Outcome, agent: TrainguardAgent | None,
     sched.finish(out.code, out.verdict)  # after close: the snapshots are on disk before a requeue
 
 
-def _launch(args: argparse.Namespace, run_dir: Path, node: str, monitors: list, store: EventStore,
-            slurm_job: slurm.SlurmJob | None) -> int:
+def _launch(settings: RunSettings, run_dir: Path, node: str, monitors: list, store: EventStore) -> int:
     _setup_logging(run_dir, node)
-    scheduler.describe(slurm_job, args)
+    scheduler.describe(settings.scheduler)
     _install_signal_handlers()
     try:
-        job = _resolve_job(args)
+        job = _resolve_job(settings.torchrun)
     except UsageError as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    bus, notifier = _event_bus(args, store, node, run_dir)
-    sched = scheduler.Scheduler.from_options(args, run_dir, bus.emit, slurm_job)
-    # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
-    prestart = "off" if args.no_python else args.prestart_workers
-    pool = WorkerPool(job.config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=prestart)
+    bus, notifier = _event_bus(settings.launch, store, node, run_dir)
+    sched = scheduler.Scheduler.from_settings(settings.scheduler, run_dir, bus.emit)
+    pool = WorkerPool(job.config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=settings.launch.prestart)
     agent: TrainguardAgent | None = None
     out = Outcome()
     try:
-        agent = _make_agent(args, job, run_dir, monitors, bus, pool)
+        agent = _make_agent(settings, job, run_dir, monitors, bus, pool)
         log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, job.config.nproc_per_node)
         out = _run_agent(agent, bus, node, job.config.max_restarts)
     except Exception as exc:
         out = _ended_by(exc, agent, job, node, bus, sched)
     finally:
-        _stop(args, out, agent, pool, sched, bus, run_dir)
+        _stop(settings.launch, out, agent, pool, sched, bus, run_dir)
         job.rdzv_server = None
         notifier.close()
         store.close()

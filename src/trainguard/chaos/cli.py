@@ -239,23 +239,29 @@ def _log(run_dir: Path, spec: dict[str, Any]) -> Path:
 
 def inject(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, Any]]:
     t = resolve(run_dir, rank=args.rank, node=args.node)
+    return t, inject_into(t, run_dir, args)
+
+
+def inject_into(t: Target, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Inject ``args.fault`` into a target already found (bench/soak.py finds torchrun's workers
+    itself: a torchrun job has no run dir to resolve them from); its details."""
     fault = args.fault
     spec = {"id": f"{int(time.time())}-{secrets.token_hex(3)}", "fault": fault, "run_dir": str(run_dir),
             "node": t.node, "duration": min(args.duration or DEFAULT_DURATION_S, background.MAX_DURATION_S)}  # fmt: skip
     if fault == "kill":
-        return t, _kill(t, args.what or ("worker" if t.rank is not None else "node"))
+        return _kill(t, args.what or ("worker" if t.rank is not None else "node"))
     if fault in ("stop", "cont"):
         sig = signal.SIGSTOP if fault == "stop" else signal.SIGCONT
-        return t, {"signal": sig.name, "pids": _signal(list(t.workers.values()), sig)}
+        return {"signal": sig.name, "pids": _signal(list(t.workers.values()), sig)}
     if fault == "hang":
-        return t, _hang(t, args, run_dir, spec)
+        return _hang(t, args, run_dir, spec)
     if fault == "slow":
-        return t, {**_slow(t, args, run_dir, spec), "duration": spec["duration"]}
+        return {**_slow(t, args, run_dir, spec), "duration": spec["duration"]}
     if fault == "fill-disk":
-        return t, {**_fill_disk(args, run_dir, spec), "duration": spec["duration"]}
+        return {**_fill_disk(args, run_dir, spec), "duration": spec["duration"]}
     if fault == "corrupt-ckpt":
-        return t, _corrupt(args.ckpt_dir or run_dir / "checkpoints", t)
-    return t, {**_net(fault, args, t, run_dir, spec), "duration": spec["duration"]}
+        return _corrupt(args.ckpt_dir or run_dir / "checkpoints", t)
+    return {**_net(fault, args, t, run_dir, spec), "duration": spec["duration"]}
 
 
 def main(args: argparse.Namespace) -> int:

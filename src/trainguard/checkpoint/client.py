@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import math
 import os
 import queue
 import threading
@@ -66,6 +67,9 @@ ENV_SHM_DIR = "TRAINGUARD_CKPT_SHM_DIR"
 ENV_CKPT_DIR = "TRAINGUARD_CKPT_DIR"
 ENV_KEEP = "TRAINGUARD_CKPT_KEEP"
 ENV_OVERLAP = "TRAINGUARD_CKPT_OVERLAP"
+# Set by the agent for a NaN replay (policy.py, NaN triage): load_latest skips states that hold a
+# non-finite floating-point value, so the replay starts from the newest snapshot before the NaN.
+ENV_FINITE_ONLY = "TRAINGUARD_CKPT_FINITE_ONLY"
 # Copy inside save() unless told otherwise: on CPU training that keeps every core busy there are no
 # idle cycles to hide a copy in, and a concurrent copy slows the steps more than a short memmove in
 # the call (bench/checkpoint.py measures both). CUDA tensors are always copied asynchronously.
@@ -73,6 +77,11 @@ OVERLAP_DEFAULT = False
 ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # the tmpfs for snapshot dirs (the agent's default; local mode's too)
 MAX_CANDIDATES = 64
 NSLOTS = 2
+# Slots per rank, when the agent says so (TRAINGUARD_CKPT_SLOTS, 2..4): 3 with buddy replication,
+# so that the step before the newest is still in memory while the agent pins an older one to
+# persist it: a lost node's replica may be a step behind the survivors' newest.
+ENV_SLOTS = "TRAINGUARD_CKPT_SLOTS"
+MAX_SLOTS = 4
 _WORLD_BITS = 20  # candidate keys: step << 20 | world size
 
 
@@ -150,7 +159,7 @@ class _StateChanged(Exception):
 
 class Checkpointer:
     def __init__(self, shm_dir: Path, ckpt_dir: Path, rank: int, world: int,
-                 persister: Persister | None = None) -> None:
+                 persister: Persister | None = None, nslots: int | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.ckpt_dir = Path(ckpt_dir)
         self.rank = rank
@@ -158,9 +167,10 @@ class Checkpointer:
         self.saves = 0
         self.skipped = 0
         self._persister = persister  # local mode only: we own the shm dir and the persister
-        self._slots: list[Slot | None] = [None] * NSLOTS
-        self._bufs: list[torch.Tensor | None] = [None] * NSLOTS
-        self._pinned: list[bool] = [False] * NSLOTS
+        self.nslots = nslots or _env_slots()
+        self._slots: list[Slot | None] = [None] * self.nslots
+        self._bufs: list[torch.Tensor | None] = [None] * self.nslots
+        self._pinned: list[bool] = [False] * self.nslots
         self._latest: int | None = None  # slot index of our newest complete snapshot
         self._seq = 0
         self._pending: _Pending | None = None
@@ -206,7 +216,7 @@ class Checkpointer:
             hdr, _ = _peek_slot(path, manifest=False)
             if hdr is not None:
                 self._seq = max(self._seq, hdr.seq)
-        for i in range(NSLOTS):
+        for i in range(self.nslots):
             path = slot_path(self.shm_dir, self.rank, i)
             if not path.exists():
                 continue
@@ -227,6 +237,12 @@ class Checkpointer:
         slot = self._slots[i]
         hdr = slot.header() if slot is not None else None
         return hdr.seq if hdr is not None else 0
+
+    def _complete_seq(self, i: int) -> int:
+        """The slot's snapshot seq when it holds a complete one, else -1 (overwritten first)."""
+        slot = self._slots[i]
+        hdr = slot.header() if slot is not None else None
+        return hdr.seq if hdr is not None and hdr.complete else -1
 
     # --- save ------------------------------------------------------------------------------------
     def save(self, state: Any, step: int, overlap: bool | None = None) -> bool:
@@ -289,10 +305,11 @@ class Checkpointer:
         return True
 
     def _target_slot(self) -> int | None:
-        """The slot to write: the one not holding our newest snapshot, unless the agent is
-        persisting it right now (pinned); then overwrite the newest one instead of skipping the save
-        (only a death in the middle of that write falls back to the pinned, older snapshot)."""
-        order = [i for i in range(NSLOTS) if i != self._latest]
+        """The slot to write: the oldest one not holding our newest snapshot, unless the agent is
+        persisting it right now (pinned); then the next oldest, and last the newest one rather than
+        skipping the save (only a death in the middle of that write falls back to the pinned, older
+        snapshot)."""
+        order = sorted((i for i in range(self.nslots) if i != self._latest), key=self._complete_seq)
         if self._latest is not None:
             order.append(self._latest)
         for i in order:
@@ -503,6 +520,9 @@ class Checkpointer:
                     raise
                 result = None
                 corrupt.append({"step": chosen.step, "error": f"resharding failed: {str(exc)[:500]}"})
+            if result is not None and os.environ.get(ENV_FINITE_ONLY) == "1" and not _all_finite(result):
+                result = None  # a NaN replay resumes from before the NaN, not from a state it already spoilt
+                corrupt.append({"step": chosen.step, "error": "non-finite values (NaN replay: taken after the NaN)"})
             ok = _agree_all(result is not None) if collective else result is not None
             if ok:
                 break
@@ -676,7 +696,7 @@ class Checkpointer:
             if self._completer is not None:
                 self._completer.put(None)
                 self._completer = None
-            for i in range(NSLOTS):
+            for i in range(self.nslots):
                 self._release_buf(i)
                 slot = self._slots[i]
                 if slot is not None:
@@ -754,6 +774,18 @@ def _read_disk(ckpt_dir: Path, rank: int, step: int) -> tuple[dict[str, Any], li
     meta, data = disk.read_checkpoint(ckpt_dir, rank, step)
     entries = parse_entries(meta["tensors"], data.numel())
     return meta, [tensor_view(data, e) for e in entries]
+
+
+def _all_finite(state: Any) -> bool:
+    """Every floating-point tensor (and float) of a loaded state is finite."""
+    if isinstance(state, torch.Tensor):
+        local = getattr(state, "_local_tensor", state)  # a DTensor: this rank's shard
+        return not local.is_floating_point() or bool(torch.isfinite(local).all())
+    if isinstance(state, dict):
+        return all(_all_finite(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return all(_all_finite(v) for v in state)
+    return not isinstance(state, float) or math.isfinite(state)
 
 
 def _moved(tensors: list[torch.Tensor], map_location: Any) -> list[torch.Tensor]:
@@ -890,6 +922,11 @@ def _cuda_host_unregister(ptr: int) -> None:
 
 
 DEFAULT_KEEP = 3
+
+
+def _env_slots() -> int:
+    text = os.environ.get(ENV_SLOTS, "")
+    return min(MAX_SLOTS, max(NSLOTS, int(text))) if text.isdigit() else NSLOTS
 
 
 def _env_keep() -> int:

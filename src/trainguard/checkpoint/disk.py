@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 import torch
 
+from trainguard import runfiles
 from trainguard.checkpoint.format import (
     DEFAULT_CHECKSUM,
     MAX_MANIFEST_BYTES,
@@ -208,7 +209,7 @@ def _write_data(path: Path, data: memoryview, throttle: _Throttle, algo: str) ->
     direct = hasattr(os, "O_DIRECT") and addr is not None and addr % _DIRECT_ALIGN == 0 and len(data) >= CHUNK
     if direct:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = _create(path, os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -224,7 +225,7 @@ def _write_data(path: Path, data: memoryview, throttle: _Throttle, algo: str) ->
                 direct = False  # alignment this device does not accept: write it buffered
             finally:
                 os.close(fd)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = _create(path)
     try:
         value = _write_buffered(fd, data, fn, throttle)
         os.fsync(fd)
@@ -235,8 +236,15 @@ def _write_data(path: Path, data: memoryview, throttle: _Throttle, algo: str) ->
         os.close(fd)
 
 
+def _create(path: Path, extra: int = 0) -> int:
+    """A new file at ``path`` (a temp name of this process): never through a symlink or onto
+    something planted there (O_EXCL | O_NOFOLLOW), whatever a shared checkpoint dir holds."""
+    path.unlink(missing_ok=True)  # a leftover of an earlier process with this pid (the name itself, never a target)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra, 0o644)
+
+
 def _write_small(path: Path, raw: bytes) -> None:
-    with open(path, "wb") as f:
+    with open(_create(path), "wb") as f:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
@@ -265,6 +273,7 @@ def write_checkpoint(
     rank, step = int(meta["rank"]), int(meta["step"])
     sdir = step_dir(ckpt_dir, step)
     sdir.mkdir(parents=True, exist_ok=True)
+    runfiles.safe_dir(sdir)  # a step-* symlink would take the snapshot outside the checkpoint dir
     tag = f"{_TMP_MARK}{socket.gethostname()}-{os.getpid()}"
     tmp_data = sdir / (data_name(rank) + tag)
     tmp_meta = sdir / (manifest_name(rank) + tag)

@@ -33,7 +33,7 @@ import psutil
 
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.format import FormatError, decode_manifest
-from trainguard.checkpoint.shm import Slot, SlotHeader, owner_pid, parse_slot_name, read_dir_info
+from trainguard.checkpoint.shm import Slot, SlotCache, SlotHeader, owner_pid, parse_slot_name, read_dir_info
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Persister:
         self._tid: int | None = None
         self._heartbeat: float | None = None  # the background thread last made progress then
         self._verified = disk.VerifiedCache()
-        self._slots: dict[str, Slot] = {}
+        self._slots = SlotCache(self.shm_dir)
         self._done_seqs: dict[int, set[int]] = defaultdict(set)  # rank -> snapshot seqs on disk
         self._failed_seqs: dict[int, set[int]] = defaultdict(set)  # not retried until a breakpoint
         self._lock = threading.Lock()
@@ -86,9 +86,7 @@ class Persister:
         if flush:
             self.run_pass(retry_failed=True, trigger="shutdown")
         with self._lock:
-            for slot in self._slots.values():
-                slot.close()
-            self._slots.clear()
+            self._slots.close()
 
     def _loop(self) -> None:
         self._tid = threading.get_native_id()
@@ -157,14 +155,12 @@ class Persister:
             if current != live:
                 return []  # a rank may still be loading from an old snapshot
             for name, _ in stale:
-                slot = self._slots.pop(name, None)
-                if slot is not None:
-                    slot.close()
+                self._slots.drop(name)
                 (self.shm_dir / name).unlink(missing_ok=True)
             return sorted({r for _, r in stale})
 
     def _complete_at(self, name: str, world: int) -> bool:
-        slot = self._slot(name)
+        slot = self._slots.get(name)
         hdr = slot.header() if slot is not None else None
         return hdr is not None and hdr.complete and hdr.world == world
 
@@ -187,7 +183,7 @@ class Persister:
             parsed = parse_slot_name(name)
             if parsed is None:
                 continue
-            slot = self._slot(name)
+            slot = self._slots.get(name)
             hdr = slot.header() if slot is not None else None
             if hdr is not None and hdr.complete:
                 complete[parsed[0]].append((slot, hdr))
@@ -203,23 +199,6 @@ class Persister:
                     continue
                 out.append((rank, slot, hdr))
         return out
-
-    def _slot(self, name: str) -> Slot | None:
-        slot = self._slots.get(name)
-        if slot is not None and not slot.is_file(self.shm_dir / name):  # removed, or a new file
-            slot.close()
-            del self._slots[name]
-            slot = None
-        try:
-            if slot is None:
-                slot = Slot.open(self.shm_dir / name)
-                self._slots[name] = slot
-            else:
-                slot.refresh()
-        except (OSError, ValueError) as exc:  # a worker is creating it right now: next pass
-            log.debug("slot %s not readable yet: %s", name, exc)
-            return None
-        return slot
 
     def _persist_one(self, rank: int, slot: Slot, hdr: SlotHeader) -> disk.Persisted | None:
         def unchanged() -> bool:

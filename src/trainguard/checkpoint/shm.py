@@ -182,6 +182,41 @@ class Slot:
             self._fd = -1
 
 
+class SlotCache:
+    """The slot files of one directory kept open and mapped across a reader's passes (the agent's
+    persister and replication sender poll every few ms: one open + mmap per file per pass would be
+    most of their idle cost). A file removed or replaced since is reopened."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        self._slots: dict[str, Slot] = {}
+
+    def get(self, name: str) -> Slot | None:
+        slot = self._slots.get(name)
+        if slot is not None and not slot.is_file(self.dir / name):  # removed, or a new file
+            self.drop(name)
+            slot = None
+        try:
+            if slot is None:
+                slot = Slot.open(self.dir / name)
+                self._slots[name] = slot
+            else:
+                slot.refresh()
+        except (OSError, ValueError) as exc:  # a worker is creating it right now: next pass
+            log.debug("slot %s not readable yet: %s", name, exc)
+            return None
+        return slot
+
+    def drop(self, name: str) -> None:
+        slot = self._slots.pop(name, None)
+        if slot is not None:
+            slot.close()
+
+    def close(self) -> None:
+        for name in list(self._slots):
+            self.drop(name)
+
+
 def _allocate(fd: int, size: int) -> None:
     old = os.fstat(fd).st_size
     if old < size:

@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 LEAVING_KEY = "trainguard/leaving"
 STOP_KEY = "trainguard/stop"
+STOP_SEEN_KEY = "trainguard/stop-seen"  # a counter: how many other agents have read the stop
 CHECK_EVERY_S = 1.0
+STOP_ACK_WAIT_S = 5.0
 
 
 class Peers:
@@ -36,6 +38,7 @@ class Peers:
         self.key = key
         self._report = on_rejected if isinstance(on_rejected, Rejections) else Rejections(on_rejected)
         self._last_check = 0.0
+        self._acked: set[tuple[int, str]] = set()
 
     def signed(self, store: Any) -> SignedStore:
         return SignedStore(store, self.key, self._report)
@@ -51,6 +54,7 @@ class Peers:
         try:
             stop = self._signed(store, STOP_KEY)
             if stop is not None:
+                self._ack(store, stop)
                 return PeerStop(stop)
             leaving = self._signed(store, LEAVING_KEY)
             if leaving is not None:
@@ -68,14 +72,38 @@ class Peers:
         except ForgedValue:
             return None
 
-    def stop_everywhere(self, store: Any, nnodes: int, reason: str) -> None:
-        """Tell the other agents the job is stopped, so they stop too."""
+    def _ack(self, store: Any, stop: str) -> None:
+        """Count this agent as having read the stop, once per store and reason. Unsigned: a forged
+        count can only end the stopping agent's wait early, never stop anything."""
+        seen = (id(store), stop)
+        if seen in self._acked:
+            return
+        try:
+            store.add(STOP_SEEN_KEY, 1)
+            self._acked.add(seen)
+        except Exception as exc:  # the stop itself was read: that is what counts
+            log.debug("could not acknowledge the stop: %s", exc)
+
+    def stop_everywhere(self, store: Any, nnodes: int, reason: str, wait_s: float = STOP_ACK_WAIT_S) -> None:
+        """Tell the other agents the job is stopped, so they stop too, and give them up to
+        ``wait_s`` to read it: this agent may host the store, and once it exits the others can no
+        longer read why (they would fail on a broken store instead of saying the reason)."""
         if store is None or nnodes <= 1:
             return
         try:
             self.signed(store).set(STOP_KEY, f"{reason} (decided on {self.node})")
         except Exception as exc:
             log.warning("could not tell the other agents to stop: %s", exc)
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                if store.add(STOP_SEEN_KEY, 0) >= nnodes - 1:
+                    return
+            except Exception:  # the store host is gone: nobody left to wait for
+                return
+            time.sleep(0.05)
+        log.info("not every agent read the stop within %.0f s; stopping anyway", wait_s)
 
     def announce_leaving(self, store: Any, node: str | None = None) -> None:
         """Tell the other agents this node (or a node found lost) leaves, so they re-form without

@@ -136,6 +136,10 @@ class JobKey:
         material = b"trainguard-job\0" + run_id.encode() + b"\0" + os.environ.get(SECRET_ENV, "").encode()
         return cls(hashlib.sha256(material).digest())
 
+    def derive(self, purpose: str) -> bytes:
+        """A key of its own for one purpose (e.g. signing snapshot replicas), from the job's key."""
+        return hmac.new(self._key, b"trainguard-derive\0" + purpose.encode(), hashlib.sha256).digest()
+
     def _mac(self, key: str, value: str) -> str:
         return hmac.new(self._key, f"{key}\0{value}".encode(), hashlib.sha256).hexdigest()[:_MAC_LEN]
 

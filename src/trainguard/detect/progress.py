@@ -62,6 +62,10 @@ class RankSamples:
     # bytes the tree's TCP sockets moved (received + acknowledged), outside the job's own
     # connections, at each /proc sample (None: unknown). Socket reads do not move /proc/<pid>/io.
     net: Sequence[int | None] = ()
+    # collectives the rank had started at each /proc sample (its always-on sequence counter; None:
+    # unknown). A count that moves means its collectives complete: a rank looping over quick
+    # collectives (gradient accumulation's flags) can show one all_reduce stack in every sample.
+    collectives: Sequence[int | None] = ()
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class Progress:
         if self.kind == PROGRESSING:
             what = {"stack": "its stack moves", "io": "it does I/O", "spans": "it records spans",
                     "gpu": "its GPU utilisation changes", "cpu": f"CPU {self.cpu_percent:.0f}%",
-                    "net": "its sockets move data"}  # fmt: skip
+                    "net": "its sockets move data", "collectives": "it starts new collectives"}  # fmt: skip
             return "progressing: " + ", ".join(what[m] for m in self.moved)
         return {
             BUSY: f"busy on the same frame: CPU {self.cpu_percent:.0f}%, same stack in {self.samples} samples, no I/O",
@@ -128,6 +132,8 @@ def judge_progress(s: RankSamples, cfg: HangConfig, waiting: bool = False) -> Pr
         moved.append("net")
     if len(set(s.spans)) > 1:
         moved.append("spans")
+    if len({c for c in s.collectives if c is not None}) > 1:
+        moved.append("collectives")
     if len(s.gpu) >= 3 and not series_stats(list(s.gpu), cfg).unchanged:
         moved.append("gpu")
     if full and all(st == "D" for st in s.states) and not io:
@@ -242,6 +248,27 @@ def decide_stall(
     if any(progress[r].kind in (UNKNOWN, STALLED) for r in order):
         return StallVerdict("watch", verdict.rank, "", "waiting for more samples", limit=limits.threshold)
     return _nobody_progresses(order, verdict, progress, stall, limits, waits, others_wait)
+
+
+def stopped_proof(
+    verdict: CulpritVerdict, progress: Mapping[int, Progress], stopped_for: Mapping[int, float], hold_s: float,
+) -> StallVerdict | None:  # fmt: skip
+    """Before the step threshold: a rank stopped (state T) for ``hold_s`` (the progress window)
+    while every other rank here waits in a collective or shows no progress is proof already — a
+    stopped process cannot finish the step its peers wait for, and no allowance covers it. The
+    threshold only delays it: under load it grows with the slow steps (issue 33's soak: 15 s on
+    0.47 s steps). None when that proof is not in hand (the usual rules judge at the threshold)."""
+    pos = verdict.positions
+    stopped = [r for r in _order(verdict) if r in progress and progress[r].kind == STOPPED
+               and stopped_for.get(r, 0.0) >= hold_s]  # fmt: skip
+    if not stopped:
+        return None
+    others = [r for r in progress if r not in stopped]
+    if any(progress[r].progressing and not pos[r].waiting for r in others if r in pos):
+        return None  # a peer still works outside a collective: the threshold judges
+    r = stopped[0]
+    why = f"{_what(r, verdict, progress)} for {stopped_for[r]:.0f}s while its peers wait"
+    return StallVerdict("detected", r, "steps", why, phase_of(pos[r]), hold_s)
 
 
 def _proven(

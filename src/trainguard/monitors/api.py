@@ -70,7 +70,17 @@ class StepTracker:
     def __init__(self, keep: int = 512) -> None:
         self._keep = keep
         self._by_rank: dict[int, deque[StepSample]] = {}
+        self._collectives: dict[int, Any] = {}  # rank -> ring_reader.CollectiveCounts (latest)
         self._lock = threading.Lock()
+
+    def set_collectives(self, rank: int, counts: Any) -> None:
+        """The rank's collective counters (sequence number, calls per operation), latest."""
+        with self._lock:
+            self._collectives[rank] = counts
+
+    def collectives(self) -> dict[int, Any]:
+        with self._lock:
+            return dict(self._collectives)
 
     def record(self, sample: StepSample) -> None:
         with self._lock:
@@ -87,6 +97,7 @@ class StepTracker:
     def clear(self) -> None:
         with self._lock:
             self._by_rank.clear()
+            self._collectives.clear()
 
 
 @dataclass

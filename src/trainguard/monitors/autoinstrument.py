@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,17 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        "scripts, wrappers) through a sitecustomize on the workers' PYTHONPATH")  # fmt: skip
 
 
-def create(options: argparse.Namespace) -> AutoInstrument:
-    return AutoInstrument(options.auto_instrument != "off")
+@dataclass(frozen=True)
+class AutoInstrumentSettings:
+    enabled: bool = True  # --auto-instrument on
+
+
+def settings(options: argparse.Namespace) -> AutoInstrumentSettings:
+    return AutoInstrumentSettings(options.auto_instrument != "off")
+
+
+def create(settings: AutoInstrumentSettings) -> AutoInstrument:
+    return AutoInstrument(settings.enabled)
 
 
 class AutoInstrument(Monitor):

@@ -20,6 +20,7 @@ loaded), ``checkpoint_incompatible`` (error), ``checkpoint_loaded`` and ``checkp
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -29,16 +30,26 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint import disk
-from trainguard.checkpoint.client import ENV_CKPT_DIR, ENV_KEEP, ENV_OVERLAP, ENV_SHM_DIR, ENV_SHM_ROOT
+from trainguard.checkpoint.client import (
+    ENV_CKPT_DIR,
+    ENV_KEEP,
+    ENV_OVERLAP,
+    ENV_SHM_DIR,
+    ENV_SHM_ROOT,
+    ENV_SLOTS,
+)
 from trainguard.checkpoint.persist import Persister, rescue_orphan
+from trainguard.checkpoint.replica import REPLICAS, Buddy, ReplicaServer, Replicator, persist_replicas
 from trainguard.checkpoint.shm import make_shm_dir, read_dir_info, release_shm_dir
+from trainguard.cluster.stores import ForgedValue
 from trainguard.events import EventBus, EventStore
 from trainguard.events.store import node_db_path
 from trainguard.evidence import RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
-from trainguard.options import given, non_negative, positive_int
+from trainguard.options import given, non_negative, non_negative_int, positive_int
 
 log = logging.getLogger(__name__)
+REPLICA_KEY = "trainguard/ckpt-replica/"  # + node rank: where that node's agent takes snapshot replicas
 
 
 @dataclass(frozen=True)
@@ -50,15 +61,29 @@ class CheckpointSettings:
     write_limit_mb_s: float = 0.0  # background persist rate cap (0: none)
     breakpoint_timeout_s: float = 600.0  # longest persist at a failure before the restart goes on
     overlap: bool = False  # copy CPU tensors during the next forward/backward
+    replicas: int | None = None  # buddy nodes each snapshot is sent to (None: 1 when the job has more than one node)
+    replica_limit_mb_s: float = 0.0  # replication send rate cap (0: none; the sender runs at nice 10 anyway)
+    multi_node: bool = False  # --nnodes allows more than one node (derived): 3 snapshot slots per rank when replicating
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> CheckpointSettings:
-        return cls(overlap=bool(options.ckpt_overlap), **given(options, {
+        return cls(overlap=bool(options.ckpt_overlap), multi_node=_max_nodes(getattr(options, "nnodes", None)) > 1, **given(options, {
             "ckpt_dir": "ckpt_dir",
             "keep": "ckpt_keep",
             "shm_root": "ckpt_shm_dir",
             "write_limit_mb_s": "ckpt_write_limit",
+            "replicas": "ckpt_replicas",
+            "replica_limit_mb_s": "ckpt_replica_limit",
         }))  # fmt: skip
+
+
+def _max_nodes(nnodes: str | None) -> int:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        return parse_min_max_nnodes(str(nnodes or "1"))[1]
+    except (ValueError, RuntimeError):  # the launcher reports a bad --nnodes itself
+        return 1
 
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
@@ -74,10 +99,19 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                             "the next forward/backward (the optimizer step waits for it); default: copy inside save")
     group.add_argument("--ckpt-write-limit", type=non_negative, default=None, metavar="MB_S",
                        help="cap the background persist rate in MB/s so it does not starve the job's I/O (0: none)")
+    group.add_argument("--ckpt-replicas", type=non_negative_int, default=None, metavar="K",
+                       help="send each in-memory snapshot to K other nodes' agents (buddies), so a lost node's "
+                            "state survives it (default: 1 when the job has more than one node; 0: off)")
+    group.add_argument("--ckpt-replica-limit", type=non_negative, default=None, metavar="MB_S",
+                       help="cap the replication send rate in MB/s (0: none; the sender runs at low priority)")
 
 
-def create(options: argparse.Namespace) -> Monitor | None:
-    return CheckpointMonitor(CheckpointSettings.from_options(options))
+def settings(options: argparse.Namespace) -> CheckpointSettings:
+    return CheckpointSettings.from_options(options)
+
+
+def create(settings: CheckpointSettings) -> Monitor | None:
+    return CheckpointMonitor(settings)
 
 
 class CheckpointMonitor(Monitor):
@@ -93,6 +127,16 @@ class CheckpointMonitor(Monitor):
         self.write_limit = s.write_limit_mb_s * 1e6
         self.breakpoint_timeout_s = s.breakpoint_timeout_s
         self.overlap = s.overlap
+        self.replicas = s.replicas
+        self.replica_limit = s.replica_limit_mb_s * 1e6
+        # Three slots per rank when replicating: the survivors keep the step before their newest
+        # even while the agent pins an older one to persist it (a lost node's replica may be a
+        # step behind); two otherwise.
+        self.slots = 3 if s.multi_node and s.replicas != 0 else 2
+        self._server: ReplicaServer | None = None
+        self._replicator: Replicator | None = None
+        self._wanted: list[int] = []  # node ranks of this round's buddies not looked up yet
+        self._buddies: list[Buddy] = []
         self.shm_dir: Path | None = None
         self.ckpt_dir: Path | None = None
         self._persister: Persister | None = None
@@ -105,7 +149,7 @@ class CheckpointMonitor(Monitor):
         self._ensure_started(Path(run_dir))
         assert self.shm_dir is not None and self.ckpt_dir is not None
         return {ENV_SHM_DIR: str(self.shm_dir), ENV_CKPT_DIR: str(self.ckpt_dir), ENV_KEEP: str(self.keep),
-                ENV_OVERLAP: "1" if self.overlap else "0"}
+                ENV_OVERLAP: "1" if self.overlap else "0", ENV_SLOTS: str(self.slots)}
 
     def on_before_start(self, ctx: MonitorContext) -> None:
         self._ctx = ctx
@@ -115,10 +159,12 @@ class CheckpointMonitor(Monitor):
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._ctx = ctx
         self._flush_early()
+        self._start_replication(ctx)
 
     def poll(self, ctx: MonitorContext) -> None:
         self._ctx = ctx  # the persist thread emits through the current context's bus
         self._flush_early()
+        self._find_buddies(ctx)
         if self._persister is not None:
             self._persister.boost_if_starved()
             if ctx.workers:  # after a world-size change: free the old ranks' snapshots once unneeded
@@ -138,10 +184,11 @@ class CheckpointMonitor(Monitor):
 
     def on_workers_stopped(self, ctx: MonitorContext) -> None:
         self._ctx = ctx
-        if self._persister is not None:
-            self._run_pass_bounded(trigger="workers_stopped")
+        if self._persister is not None:  # with replicas: every slot, so the step a buddy holds is there too
+            self._run_pass_bounded(every_slot=self._server is not None, trigger="workers_stopped")
 
     def close(self) -> None:
+        self._stop_replication()
         with self._lock:
             persister, self._persister = self._persister, None
             shm_dir, self.shm_dir = self.shm_dir, None
@@ -200,6 +247,8 @@ class CheckpointMonitor(Monitor):
         def work() -> None:
             try:
                 result.extend(persister.run_pass(retry_failed=True, every_slot=every_slot, trigger=trigger))
+                if self._server is not None:  # a lost buddy's state: on disk beside the survivors'
+                    result.extend(p for _, p in persist_replicas(self._server.root, persister.ckpt_dir, self._emit, trigger))
             except Exception as exc:
                 log.exception("checkpoint: breakpoint persist failed: %s", exc)
 
@@ -211,6 +260,84 @@ class CheckpointMonitor(Monitor):
                        "restarting anyway (the in-memory snapshot is still used on this node)", severity="error")
             return None
         return result
+
+    # --- buddy replication -----------------------------------------------------------------------
+    def _replica_count(self, ctx: MonitorContext) -> int:
+        if ctx.nnodes <= 1:
+            return 0
+        return min(1 if self.replicas is None else self.replicas, ctx.nnodes - 1)
+
+    def _start_replication(self, ctx: MonitorContext) -> None:
+        """Each round: listen for replicas (once), say where in the round's store, and look up this
+        round's buddies (the next K nodes in the rendezvous order) as they publish theirs."""
+        self._wanted, self._buddies = [], []
+        if self._replicator is not None:
+            self._replicator.set_buddies([])
+        k = self._replica_count(ctx)
+        job_key = getattr(ctx.store, "job_key", None)  # a SignedStore: replicas are signed like its values
+        if k == 0 or job_key is None or self.shm_dir is None:
+            return
+        if self._server is None and not self._listen(ctx, job_key.derive("checkpoint-replica")):
+            return
+        assert self._server is not None
+        where = json.dumps({"node": ctx.node, "addr": self._server.addr, "port": self._server.port})
+        try:
+            ctx.store.set(f"{REPLICA_KEY}{ctx.node_rank}", where)
+        except Exception as exc:  # the store is failing: the rendezvous' own error handling takes over
+            log.warning("checkpoint: could not publish where this node takes snapshot replicas: %s", exc)
+        self._wanted = [(ctx.node_rank + i) % ctx.nnodes for i in range(1, k + 1)]
+        self._find_buddies(ctx)
+
+    def _listen(self, ctx: MonitorContext, key: bytes) -> bool:
+        assert self.shm_dir is not None
+        try:
+            self._server = ReplicaServer(self.shm_dir / REPLICAS, ctx.addr or "127.0.0.1", key, self._rejected)
+        except OSError as exc:
+            self._emit("checkpoint_replica_failed", f"cannot take snapshot replicas on {ctx.addr}: {exc}; "
+                       "this node's snapshots are not replicated", severity="warning")
+            return False
+        self._replicator = Replicator(self.shm_dir, ctx.node, key, self._emit, self.replica_limit)
+        self._replicator.start()
+        return True
+
+    def _find_buddies(self, ctx: MonitorContext) -> None:
+        if not self._wanted or ctx.store is None or self._replicator is None:
+            return
+        for r in list(self._wanted):
+            key = f"{REPLICA_KEY}{r}"
+            try:
+                if not ctx.store.check([key]):
+                    continue
+                info = json.loads(ctx.store.get(key))
+                buddy = Buddy(str(info["node"]), str(info["addr"]), int(info["port"]))
+            except ForgedValue:  # reported by the signed store, never sent to; the node's own value may follow
+                continue
+            except Exception as exc:  # not there yet, or the store is failing: the next poll
+                log.debug("checkpoint: buddy %d not known yet: %s", r, exc)
+                continue
+            self._wanted.remove(r)
+            self._buddies.append(buddy)
+        self._replicator.set_buddies(self._buddies)
+        if not self._wanted and self._buddies:
+            names = ", ".join(f"{b.node} ({b.addr}:{b.port})" for b in self._buddies)
+            self._emit("checkpoint_replication", f"{ctx.node}'s snapshots are replicated to {names}",
+                       evidence={"buddies": [b.node for b in self._buddies], "node_rank": ctx.node_rank})
+
+    def _rejected(self, message: str) -> None:
+        self._emit("checkpoint_replica_rejected", message, severity="warning")
+
+    def _stop_replication(self) -> None:
+        replicator, self._replicator = self._replicator, None
+        server, self._server = self._server, None
+        if replicator is not None:
+            replicator.stop()
+            st = replicator.stats
+            if st.snapshots:
+                self._emit("checkpoint_replication", f"replicated {st.snapshots} snapshot(s), "
+                           f"{st.bytes / 1e6:.1f} MB ({st.bytes / st.snapshots / 1e6:.2f} MB each) in {st.seconds:.2f} s",
+                           evidence=st.to_json())
+        if server is not None:
+            server.close()
 
     def _emit(self, kind: str, message: str, severity: str = "info", rank: int | None = None,
               evidence: dict[str, Any] | None = None) -> None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.checks.items import (
+    FAILED,
+    OK,
     CheckConfig,
     HardwareReport,
     ItemResult,
@@ -42,6 +44,8 @@ from trainguard.checks.items import (
 )
 from trainguard.checks.nodecheck_cli import add_check_arguments, config_from
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker, get_when_set
+from trainguard.cluster import node_history
+from trainguard.cluster.node_history import HistorySettings, HistoryUnavailable, NodeHistory
 from trainguard.detect.nodecheck import Verdict, recheck_nodes
 from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
@@ -66,6 +70,7 @@ class ChecksSettings:
     node_check_reuse_s: float = 600.0  # a node's healthy node-check result stands this long (0: never)
     check: CheckConfig = field(default_factory=CheckConfig)
     node: NodeCheckConfig = field(default_factory=NodeCheckConfig)
+    history: HistorySettings = field(default_factory=HistorySettings)
 
     @property
     def enabled(self) -> bool:
@@ -94,7 +99,8 @@ class ChecksSettings:
         )
         if options.precheck is not None:
             fields["precheck"] = options.precheck == "on"
-        return cls(node_check=bool(options.node_check), check=check, node=node, **fields)
+        return cls(node_check=bool(options.node_check), check=check, node=node,
+                   history=HistorySettings.from_options(options), **fields)
 
 
 # CheckConfig field -> `trainguard run` option
@@ -163,6 +169,31 @@ def _recheck_note(reasons: dict[int, str], taking_part: list[int], nnodes: int) 
     return f", nodes {taking_part} of {nnodes} checked — {said}"
 
 
+HISTORY_ITEM = "node-history"
+
+
+def history_item(settings: HistorySettings, ctx: MonitorContext) -> ItemResult | None:
+    """The pre-check item that reads the site's node history: failed when this host had
+    ``--node-history-faults`` hardware-class faults in the window (seed scenario 1: the node is
+    isolated before it trains). None when the history is off or cannot be read (said in one line:
+    the job goes on without it)."""
+    if settings.max_faults <= 0:
+        return None
+    path = node_history.path_for(settings.path, ctx.run_dir)
+    try:
+        faults = NodeHistory(path).faults(time.time() - settings.window_s, host=ctx.node)
+    except HistoryUnavailable as exc:
+        _say(str(exc))
+        return None
+    refused = node_history.refused_hosts(faults, settings.max_faults).get(ctx.node)
+    if refused:
+        return ItemResult(HISTORY_ITEM, FAILED, node_history.refusal(ctx.node, refused, settings.window_s),
+                          fix=f"repair the host, or remove its rows from {path}",
+                          data={"faults": [f.to_dict() for f in refused], "path": str(path)})
+    n = len(node_history.counted(faults))
+    return ItemResult(HISTORY_ITEM, OK, f"{n} hardware-class fault(s) of {ctx.node} in the window", data={"path": str(path)})
+
+
 def _say(line: str) -> None:
     """Check lines go to the agent's stderr as they are (users grep them for ``item``)."""
     print(f"[trainguard] {line}", file=sys.stderr, flush=True)
@@ -207,6 +238,9 @@ class ChecksMonitor(Monitor):
         if self._precheck is None:
             t0 = time.perf_counter()
             results = run_checks(self.settings.check)
+            history = history_item(self.settings.history, ctx)
+            if history is not None:
+                results.append(history)
             elapsed = time.perf_counter() - t0
             for r in results:
                 _say(r.line())
@@ -228,7 +262,8 @@ class ChecksMonitor(Monitor):
         mine = {
             "passed": passed(results),
             "failed": [r.line() for r in results if r.failed],
-            "hardware_fault": any(r.failed and r.item == "gpu-check" for r in results),
+            "hardware_fault": any(r.failed and r.item in ("gpu-check", HISTORY_ITEM) for r in results),
+            "history_refused": any(r.failed and r.item == HISTORY_ITEM for r in results),
             "node": ctx.node,
         }
         outcomes: dict[int, dict[str, Any] | None] = {ctx.node_rank: mine}
@@ -417,6 +452,9 @@ class ChecksMonitor(Monitor):
             self._thread.join(timeout=5)
 
 
-def create(options: argparse.Namespace) -> Monitor | None:
-    settings = ChecksSettings.from_options(options)
+def settings(options: argparse.Namespace) -> ChecksSettings:
+    return ChecksSettings.from_options(options)
+
+
+def create(settings: ChecksSettings) -> Monitor | None:
     return ChecksMonitor(settings) if settings.enabled else None

@@ -59,8 +59,11 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"read at most the last MB of each rank log when diagnosing (default {DiagnosisSettings.max_mb:g})")  # fmt: skip
 
 
-def create(options: argparse.Namespace) -> Monitor | None:
-    settings = DiagnosisSettings.from_options(options)
+def settings(options: argparse.Namespace) -> DiagnosisSettings:
+    return DiagnosisSettings.from_options(options)
+
+
+def create(settings: DiagnosisSettings) -> Monitor | None:
     if not settings.enabled:
         return None
     if settings.rules:  # fail at start, with the file named, rather than at the first failure

@@ -11,7 +11,9 @@ Two ways to a ``NodeLost`` (the reason says whether the node's address still ans
 died or hangs — or not — network cut, machine down):
 - ``poll``: a node's counter has not moved for ``--node-lost-after`` seconds *and* this node's
   ranks made no step in that time (a network cut: collectives block). A silent agent whose ranks
-  still train with ours (a busy machine) is not lost, only late.
+  still train with ours (a busy machine) is not lost, only late. A node that has not started its
+  workers in this round yet (joining, or slow to start) gets ``--node-start-allowance`` instead,
+  unless a probe finds its address unreachable (detect.nodeloss).
 - ``on_workers_failed``: this node's first failure only lost a peer (a node died and its sockets
   closed). It waits until either every other node beats again (a worker failed over there: the
   usual restart) or one stays silent for ``--node-lost-after`` seconds (lost).
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.cluster.stores import ForgedValue, can_connect
+from trainguard.detect.nodeloss import DONE, Beat, late_nodes, to_probe
 from trainguard.evidence import NodeLost, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.options import given, positive, seconds
@@ -43,10 +46,14 @@ PROBE_PORT = 9  # any port: a refused connection still proves the host answers
 class LivenessSettings:
     interval_s: float = 0.5
     lost_after_s: float = 4.0
+    # A node that has not started its workers in this round yet: a fresh agent's first start took
+    # 6 s under load in the soak (issue 33), against the 4 s heartbeat deadline.
+    startup_s: float = 30.0
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> LivenessSettings:
-        return cls(**given(options, {"interval_s": "heartbeat_interval", "lost_after_s": "node_lost_after"}))
+        return cls(**given(options, {"interval_s": "heartbeat_interval", "lost_after_s": "node_lost_after",
+                                     "startup_s": "node_start_allowance"}))  # fmt: skip
 
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
@@ -56,6 +63,10 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--node-lost-after", type=positive, default=None, metavar="S",
                        help=f"a node silent this long while training is blocked is lost; the others go on "
                             f"without it (default {d.lost_after_s:g})")  # fmt: skip
+    group.add_argument("--node-start-allowance", type=positive, default=None, metavar="S",
+                       help=f"a node that has not started its workers in this round yet (joining, slow to start) "
+                            f"is lost only after this long, or once its address is unreachable "
+                            f"(default {d.startup_s:g})")  # fmt: skip
 
 
 class LivenessMonitor(Monitor):
@@ -66,34 +77,38 @@ class LivenessMonitor(Monitor):
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # node rank -> (counter, when it last moved)
         self._peers: dict[int, dict] = {}  # node rank -> what it published (name, addr, rdzv node)
+        self._unreachable: set[int] = set()  # starting nodes whose address a probe found unreachable
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported = False
         self._ctx: MonitorContext | None = None
 
     # ---- the heartbeat thread -------------------------------------------------------------
+    def on_before_start(self, ctx: MonitorContext) -> None:
+        """Publish this node (its address) as soon as the round formed: while its workers start,
+        the others can then probe whether it is reachable (proof), rather than take a slow start
+        for a loss."""
+        if ctx.store is not None and ctx.nnodes > 1:
+            _publish(ctx)
+
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._halt()
         if ctx.store is None or ctx.nnodes <= 1:
             return
-        self._seen, self._peers, self._reported, self._ctx = {}, {}, False, ctx
+        self._seen, self._peers, self._unreachable, self._reported, self._ctx = {}, {}, set(), False, ctx
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(ctx, self._stop), name="trainguard-liveness", daemon=True)
         self._thread.start()
 
     def _beat(self, ctx: MonitorContext, stop: threading.Event) -> None:
         store = ctx.store
-        me = json.dumps({"node": ctx.node, "addr": ctx.addr, "rdzv_node": ctx.rdzv_node})
-        try:
-            store.set(f"{PREFIX}/info/{ctx.node_rank}", me)
-        except Exception as exc:
-            log.debug("liveness: cannot publish this node: %s", exc)
+        _publish(ctx)  # again: a start whose pre-start checks ended early did not publish it
         others = [n for n in range(ctx.nnodes) if n != ctx.node_rank]
         while not stop.is_set():
             try:
                 store.add(f"{PREFIX}/n{ctx.node_rank}", 1)
                 for n in others:
-                    count = -1 if _marked(store, f"{PREFIX}/done/{n}") else store.add(f"{PREFIX}/n{n}", 0)
+                    count = DONE if _marked(store, f"{PREFIX}/done/{n}") else store.add(f"{PREFIX}/n{n}", 0)
                     now = time.monotonic()
                     with self._lock:
                         last = self._seen.get(n)
@@ -101,9 +116,19 @@ class LivenessMonitor(Monitor):
                             self._seen[n] = (count, now)
                     if n not in self._peers and store.check([f"{PREFIX}/info/{n}"]):
                         self._peers[n] = json.loads(store.get(f"{PREFIX}/info/{n}"))
+                self._probe_starting()
             except Exception as exc:  # the store is unreachable from here: the others will tell
                 log.debug("liveness: heartbeat failed: %s", exc)
             stop.wait(self.settings.interval_s)
+
+    def _probe_starting(self) -> None:
+        """Probe the address of each node still starting past the heartbeat deadline (on this
+        thread: a probe may take a second, the agent's loop must not wait on it)."""
+        for n in to_probe(self._beats(), time.monotonic(), self.settings.lost_after_s):
+            addr = self._peers.get(n, {}).get("addr")
+            if addr and _unreachable(addr) is not None:
+                with self._lock:
+                    self._unreachable.add(n)
 
     def _halt(self) -> None:
         self._stop.set()
@@ -160,20 +185,25 @@ class LivenessMonitor(Monitor):
         with self._lock:
             return sum(1 for count, _ in self._seen.values() if count < 0)
 
-    def _late(self) -> dict[int, float]:
-        """node rank -> seconds silent, for nodes silent at least --node-lost-after (done ones excepted)"""
-        now = time.monotonic()
+    def _beats(self) -> dict[int, Beat]:
         with self._lock:
-            silent = {n: now - moved for n, (count, moved) in self._seen.items() if count >= 0}
-        return {n: s for n, s in silent.items() if s >= self.settings.lost_after_s}
+            return {n: Beat(count, moved, n in self._unreachable) for n, (count, moved) in self._seen.items()}
+
+    def _late(self) -> dict[int, float]:
+        """node rank -> seconds silent, for the nodes lost by detect.nodeloss's rule"""
+        s = self.settings
+        return late_nodes(self._beats(), time.monotonic(), s.lost_after_s, s.startup_s)
 
     def _lost(self, ctx: MonitorContext, late: dict[int, float]) -> NodeLost:
         self._reported = True
         nodes, rdzv = {}, []
+        beats = self._beats()
         for n, s in sorted(late.items()):
             info = self._peers.get(n, {})
             name = info.get("node") or f"rank {n}"
-            nodes[name] = f"no heartbeat for {s:.1f} s; {self._reachability(info.get('addr'))}"
+            starting = n in beats and beats[n].starting
+            silence = f"its workers not started {s:.1f} s into this round" if starting else f"no heartbeat for {s:.1f} s"
+            nodes[name] = f"{silence}; {self._reachability(info.get('addr'))}"
             if info.get("rdzv_node"):
                 rdzv.append(info["rdzv_node"])
         lost = NodeLost(nodes, rdzv, round(min(late.values()), 1))
@@ -189,14 +219,33 @@ class LivenessMonitor(Monitor):
     def _reachability(addr: str | None) -> str:
         if not addr:
             return "its address is unknown"
-        why = can_connect(addr, PROBE_PORT, timeout_s=1.0)
-        if why is None or "refused" in why.lower():
+        why = _unreachable(addr)
+        if why is None:
             return f"{addr} answers (its agent is gone or stuck)"
         return f"{addr} unreachable ({why})"
 
 
-def create(options: argparse.Namespace) -> Monitor | None:
-    return LivenessMonitor(LivenessSettings.from_options(options))
+def _unreachable(addr: str) -> str | None:
+    """Why the host at ``addr`` does not answer; None when it does (a refused connection is an answer)."""
+    why = can_connect(addr, PROBE_PORT, timeout_s=1.0)
+    return None if why is None or "refused" in why.lower() else why
+
+
+def _publish(ctx: MonitorContext) -> None:
+    """This node's name and addresses in the round's store, for the others' reports and probes."""
+    try:
+        ctx.store.set(f"{PREFIX}/info/{ctx.node_rank}",
+                      json.dumps({"node": ctx.node, "addr": ctx.addr, "rdzv_node": ctx.rdzv_node}))
+    except Exception as exc:
+        log.debug("liveness: cannot publish this node: %s", exc)
+
+
+def settings(options: argparse.Namespace) -> LivenessSettings:
+    return LivenessSettings.from_options(options)
+
+
+def create(settings: LivenessSettings) -> Monitor | None:
+    return LivenessMonitor(settings)
 
 
 def _marked(store: Any, key: str) -> bool:

@@ -86,8 +86,11 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        help=argparse.SUPPRESS)
 
 
-def create(options: argparse.Namespace) -> Monitor | None:
-    settings = MetricsSettings.from_options(options)
+def settings(options: argparse.Namespace) -> MetricsSettings:
+    return MetricsSettings.from_options(options)
+
+
+def create(settings: MetricsSettings) -> Monitor | None:
     if not settings.enabled:
         return None
     return MetricsMonitor(settings.port, settings.addr, settings.textfile, settings.interval)

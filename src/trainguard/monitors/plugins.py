@@ -1,11 +1,14 @@
 """The monitors the agent loads, in order. Each module defines:
 
-    add_run_arguments(group: argparse._ArgumentGroup) -> None             # its `trainguard run` flags
-    create(options: argparse.Namespace) -> Monitor | list[Monitor] | None  # None when switched off
+    add_run_arguments(group: argparse._ArgumentGroup) -> None   # its `trainguard run` flags
+    settings(options: argparse.Namespace) -> XSettings           # its typed settings (optional)
+    create(settings: XSettings | None) -> Monitor | list[Monitor] | None  # None when switched off
 
-``create`` builds the monitor's settings from the parsed flags once (``XSettings.from_options``).
-A monitor that cannot start (a bad setting, a missing rules file...) stops the launch with one
-line (``MonitorStartError``) — unless the user switched it off, which ``create`` honours first.
+``settings`` reads the monitor's flags once, from the run's settings builder
+(agent/settings.py, through ``read_settings``); ``create`` gets that object only, never the
+command line. A bad setting stops the command with one line (``SettingsError``); a monitor that
+cannot start (a missing rules file...) stops the launch with one line (``MonitorStartError``) —
+unless the user switched it off, which ``settings`` and ``create`` honour first.
 
 Order matters: the profiling monitor feeds step samples that the hang monitor reads.
 """
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+from collections.abc import Mapping
 from types import ModuleType
+from typing import Any
 
 from trainguard.monitors.api import Monitor
 from trainguard.options import SettingsError
@@ -64,11 +69,27 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             fn(parser.add_argument_group(_name(mod)))
 
 
-def create_monitors(options: argparse.Namespace) -> list[Monitor]:
+def read_settings(options: argparse.Namespace) -> dict[str, Any]:
+    """Each monitor's settings object, by monitor name (None for one without settings). Called
+    once, by the run's settings builder; raises SettingsError (one line)."""
+    out: dict[str, Any] = {}
+    for mod in _modules():
+        fn = getattr(mod, "settings", None)
+        try:
+            out[_name(mod)] = fn(options) if fn is not None else None
+        except SettingsError:
+            raise
+        except Exception as exc:
+            raise SettingsError(f"monitor {_name(mod)} cannot start: {exc}") from None
+    return out
+
+
+def create_monitors(settings: Mapping[str, Any]) -> list[Monitor]:
+    """The monitors, each built from its own settings (``read_settings``)."""
     monitors: list[Monitor] = []
     for mod in _modules():
         try:
-            made = mod.create(options)
+            made = mod.create(settings.get(_name(mod)))
         except SettingsError as exc:
             raise MonitorStartError(str(exc)) from None
         except Exception as exc:

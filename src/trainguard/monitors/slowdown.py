@@ -66,8 +66,11 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                        f"(default {SlowdownSettings.threshold:g}, the seed's)")
 
 
-def create(options: argparse.Namespace) -> SlowdownMonitor | None:
-    settings = SlowdownSettings.from_options(options)
+def settings(options: argparse.Namespace) -> SlowdownSettings:
+    return SlowdownSettings.from_options(options)
+
+
+def create(settings: SlowdownSettings) -> SlowdownMonitor | None:
     if not settings.enabled:
         return None
     return SlowdownMonitor(window=settings.window, threshold=settings.threshold)

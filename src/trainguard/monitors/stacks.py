@@ -7,7 +7,6 @@ never pauses a worker (probes/stacks.py), so answering is safe for a healthy job
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -22,7 +21,7 @@ TICK_S = 1.0
 STACK_TIMEOUT_S = 10.0
 
 
-def create(options: argparse.Namespace) -> Monitor:
+def create(settings: None) -> Monitor:  # no settings of its own
     return StacksMonitor()
 
 

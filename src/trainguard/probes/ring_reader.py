@@ -23,6 +23,13 @@ class StepEntry:
     duration_ns: int
 
 
+@dataclass(frozen=True)
+class CollectiveCounts:
+    seq: int  # collectives started (the rank's sequence number)
+    last: str  # the last one started (COLL_OPS name; "" before any)
+    calls: dict[str, int]  # op -> calls started
+
+
 class RingReader:
     def __init__(self, path: str, unlink: bool = False) -> None:
         """Map the ring at ``path``. With ``unlink`` the file name is removed once mapped, so the
@@ -55,6 +62,7 @@ class RingReader:
         self._i64 = memoryview(mm)[: R.HEADER_SIZE].cast("q")
         self._u32 = memoryview(mm)[: R.HEADER_SIZE].cast("I")
         self._steps = memoryview(mm)[R.STEP_OFF : R.NAMES_OFF].cast("q")
+        self._coll = memoryview(mm)[R.COLL_OFF : R.RECORDS_OFF].cast("I")
         self.offset_ns = self._i64[R.IDX_CLOCK_OFFSET]
         self.read_index = 0
         self.lost = 0  # records overwritten before we read them
@@ -83,6 +91,14 @@ class RingReader:
         if n == 0:
             return None
         return StepEntry(n, self._i64[R.IDX_LAST_END], self._i64[R.IDX_LAST_DUR])
+
+    def collectives(self) -> CollectiveCounts:
+        """The rank's collective counters (always on): its sequence number, its last call, and
+        its calls per operation."""
+        v = self._coll
+        seq, last = v[0], v[1]
+        calls = {op: v[2 + i] for i, op in enumerate(R.COLL_OPS) if v[2 + i]}
+        return CollectiveCounts(seq, R.COLL_OPS[last - 1] if 0 < last <= len(R.COLL_OPS) else "", calls)
 
     @property
     def dropped(self) -> int:
@@ -130,6 +146,6 @@ class RingReader:
         return out
 
     def close(self) -> None:
-        for view in (self._u64, self._i64, self._u32, self._steps):
+        for view in (self._u64, self._i64, self._u32, self._steps, self._coll):
             view.release()
         self.mm.close()

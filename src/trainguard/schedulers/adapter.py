@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.options import node_name_problem
+from trainguard.options import node_name_problem, non_negative_int
 from trainguard.schedulers import kubernetes, slurm
 
 log = logging.getLogger("trainguard")
@@ -56,13 +56,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--requeue", action="store_true",
                    help="Slurm: requeue the job without the excluded node when too few nodes are left; "
                         "on SIGUSR1 (sbatch --signal=USR1@N) requeue after the snapshot is on disk")
+    g.add_argument("--standby-nodes", type=non_negative_int, default=0, metavar="N",
+                   help="Slurm: the last N nodes of the step wait as warm standby nodes (as --standby) and the "
+                   "others train (--nnodes, when not given, is the others' count): a lost node's place goes to a "
+                   "standby, the world size stays")
     g.add_argument("--on-exclude", type=_argv, default=None, metavar="CMD",
                    help="run CMD when this node is excluded (no shell; env TRAINGUARD_EXCLUDED_NODE, "
                         "TRAINGUARD_EXCLUDE_REASON, TRAINGUARD_RUN_DIR)")
 
 
 def autodetect(args: argparse.Namespace, env: Any = os.environ) -> slurm.SlurmJob | None:
-    """Fill `trainguard run`'s flags from the Slurm allocation (before anything starts)."""
+    """Fill `trainguard run`'s flags from the Slurm allocation (before anything starts): a step
+    of the run's settings builder (agent/settings.py), before the rooms read their flags."""
     if getattr(args, "no_slurm", False):
         return None
     job = slurm.detect(env)
@@ -72,10 +77,28 @@ def autodetect(args: argparse.Namespace, env: Any = os.environ) -> slurm.SlurmJo
     return job
 
 
-def describe(job: slurm.SlurmJob | None, args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The scheduler's part of `trainguard run`'s settings: its flags and the allocation found."""
+
+    drain: bool = False  # --slurm-drain
+    requeue: bool = False  # --requeue
+    on_exclude: tuple[str, ...] | None = None  # --on-exclude CMD, split into its words
+    job: slurm.SlurmJob | None = None  # the Slurm allocation (``autodetect``), None outside one or with --no-slurm
+    applied: tuple[str, ...] = ()  # the flags the allocation filled, for the launch's log line
+
+    @classmethod
+    def from_options(cls, args: argparse.Namespace, job: slurm.SlurmJob | None = None) -> SchedulerSettings:
+        on_exclude = getattr(args, "on_exclude", None)
+        return cls(bool(getattr(args, "slurm_drain", False)), bool(getattr(args, "requeue", False)),
+                   tuple(on_exclude) if on_exclude else None, job, tuple(getattr(args, "slurm_applied", ())))
+
+
+def describe(settings: SchedulerSettings) -> None:
     """The launch's log line about the allocation (once logging is set up)."""
+    job = settings.job
     if job is not None:
-        applied = "; ".join(getattr(args, "slurm_applied", [])) or "all rendezvous flags given"
+        applied = "; ".join(settings.applied) or "all rendezvous flags given"
         log.info("slurm job %s step %s on %d node(s): %s", job.job_id, job.step_id or "batch", job.nnodes, applied)
 
 
@@ -93,9 +116,9 @@ class Scheduler:
     _requeue: list[str] | None = None  # set when the run's end must requeue the job (exclusions)
 
     @classmethod
-    def from_options(cls, args: argparse.Namespace, run_dir: Path, emit: Any, job: slurm.SlurmJob | None) -> Scheduler:
-        return cls(run_dir, emit, job, bool(getattr(args, "slurm_drain", False)), bool(getattr(args, "requeue", False)),
-                   getattr(args, "on_exclude", None))
+    def from_settings(cls, settings: SchedulerSettings, run_dir: Path, emit: Any) -> Scheduler:
+        on_exclude = list(settings.on_exclude) if settings.on_exclude else None
+        return cls(run_dir, emit, settings.job, settings.drain, settings.requeue, on_exclude)
 
     # ---- exclusion ------------------------------------------------------------------------------
     def excluded_nodes(self) -> list[str]:

@@ -9,6 +9,8 @@ Inside an allocation ``srun trainguard run --nproc-per-node 2 train.py`` needs n
   hostlist syntax), port 29400 + job id mod 500 so that two jobs sharing a node do not collide;
   the agent on that host serves the rendezvous store (``is_host``), whatever its hostname says;
 - ``--rdzv-id``: ``slurm-<job>.<step>`` (``.r<n>`` after the n-th requeue);
+- ``--standby-nodes N``: the last N nodes of the step run as warm standbys (``--standby``) and
+  ``--nnodes`` (when not given) counts the others;
 - ``--node-name``: ``SLURMD_NODENAME``; the run dir: ``trainguard-runs/slurm-<job>``, the same for
   every node and for the requeued job, which finds its checkpoints there.
 
@@ -25,6 +27,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from trainguard.options import SettingsError
 from trainguard.schedulers import hostlist
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,12 @@ def apply(args: argparse.Namespace, job: SlurmJob) -> list[str]:
         put("node_name", job.node_name, "--node-name")
     if args.job_id is None and args.run_dir is None:
         put("job_id", job.run_name, "--job-id")
+    if getattr(args, "standby_nodes", 0):  # consumed here: what the settings see is each node's --standby
+        nnodes, args.standby = standby_role(args.standby_nodes, str(args.nnodes), job)
+        args.standby_nodes = 0
+        if nnodes != str(args.nnodes):
+            put("nnodes", nnodes, "--nnodes")
+        done += ["--standby"] if args.standby else []
     if args.standalone:
         return done  # the user asked for a single-node rendezvous of its own
     if str(args.nnodes) == "1:1":  # torchrun's default: not given
@@ -125,6 +134,19 @@ def apply(args: argparse.Namespace, job: SlurmJob) -> list[str]:
             conf = f"{args.rdzv_conf},is_host={is_host}" if args.rdzv_conf else f"is_host={is_host}"
             put("rdzv_conf", conf, "--rdzv-conf")
     return done
+
+
+def standby_role(n: int, nnodes: str, job: SlurmJob) -> tuple[str, bool]:
+    """--standby-nodes N: (--nnodes, whether this node is a standby). The last N nodes of the step
+    are warm standbys (``--standby``, agent/standby.py), the others train; --nnodes left unset
+    ("1:1") becomes the others' count. The first host (it serves the rendezvous store) trains."""
+    active = job.nnodes - n
+    if active < 1:
+        raise SettingsError(f"--standby-nodes {n}: the step has {job.nnodes} node(s), none would be left to train")
+    if job.node_name not in job.nodes:
+        raise SettingsError(f"--standby-nodes: this node ({job.node_name}) is not in the step's node list; give --standby "
+                            "on the standby nodes instead")
+    return (str(active) if nnodes == "1:1" else nnodes), job.nodes.index(job.node_name) >= active
 
 
 # ---------------------------------------------------------------------------------- scontrol

@@ -12,9 +12,11 @@ import json
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from trainguard.options import seconds
+from trainguard.cluster import node_history
+from trainguard.options import non_negative, non_negative_int, seconds
 from trainguard.rundir.readers import NotARunDir
 from trainguard.view.live import RunView
 
@@ -24,6 +26,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--once", action="store_true", help="print once as plain text and exit (for scripts)")
     p.add_argument("--json", action="store_true", help="print the whole summary as JSON once and exit")
     p.add_argument("--interval", type=seconds, default=1.0, help="seconds between redraws of the live view")
+    p.add_argument("--node-history", default=None, metavar="PATH",
+                   help=f"the site's node history (default {node_history.DEFAULT_NAME} next to the run dir)")
+    p.add_argument("--node-history-faults", type=non_negative_int, default=node_history.DEFAULT_FAULTS, metavar="K",
+                   help="faults in the window that refuse a host, as given to `trainguard run`")
+    p.add_argument("--node-history-window", type=non_negative, default=node_history.DEFAULT_WINDOW_S,
+                   metavar="SECONDS", help="how far back the node history counts")
+
+
+def history_summary(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The hosts the site's node history holds hardware-class faults of, within the window, and
+    which of them the pre-check refuses."""
+    path = node_history.path_for(getattr(args, "node_history", None), run_dir)
+    window = getattr(args, "node_history_window", node_history.DEFAULT_WINDOW_S)
+    limit = getattr(args, "node_history_faults", node_history.DEFAULT_FAULTS)
+    out: dict[str, Any] = {"path": str(path), "hosts": {}, "error": None}
+    try:
+        faults = node_history.NodeHistory(path).faults(time.time() - window)
+    except node_history.HistoryUnavailable as exc:
+        out["error"] = str(exc)
+        return out
+    refused = node_history.refused_hosts(faults, limit)
+    for f in node_history.counted(faults):
+        host = out["hosts"].setdefault(f.host, {"faults": 0, "refused": f.host in refused, "last": None})
+        host["faults"] += 1
+        host["last"] = f.to_dict()
+    return out
+
+
+def history_line(h: dict[str, Any]) -> str | None:
+    if h["error"]:
+        return f"node history: {h['error']}"
+    if not h["hosts"]:
+        return None
+    said = "; ".join(f"{name} {v['faults']} fault(s), last {v['last']['kind']} {_clock(v['last']['time'])}"
+                     + (" (refused at the pre-check)" if v["refused"] else "") for name, v in sorted(h["hosts"].items()))
+    return f"node history: {said}"
 
 
 def _clock(t: float | None) -> str:
@@ -79,6 +117,8 @@ def render_text(run_dir: str, snap: dict[str, Any]) -> str:
     if snap["diagnoses"]:
         d = snap["diagnoses"][-1]
         lines.append(f"diagnosis:   {_clock(d['time'])} {d['category']}: {_cut(str(d['summary']), 100)}")
+    if (h := snap.get("node_history")) and (line := history_line(h)):
+        lines.append(line)
     for s in snap["stragglers"][-3:]:
         lines.append(f"straggler:   {_clock(s['time'])} {_cut(s['message'], 110)}")
     rows = [HEADERS] + [rank_cells(r) for r in snap["ranks"]]
@@ -107,6 +147,8 @@ def _rich(run_dir: str, snap: dict[str, Any]):
         cells = rank_cells(r)
         table.add_row(*cells, style="yellow" if r["straggler"] else None)
     parts: list[Any] = [head, table]
+    if (h := snap.get("node_history")) and (line := history_line(h)):
+        parts.append(Text(line, style="yellow"))
     if snap["diagnoses"]:
         d = snap["diagnoses"][-1]
         parts.append(Text(f"diagnosis {_clock(d['time'])}: {d['category']}: {d['summary']}", style="red"))
@@ -122,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         view.refresh()
         if args.json or args.once:
-            snap = view.snapshot()
+            snap = {**view.snapshot(), "node_history": history_summary(view.run_dir, args)}
             if args.json:
                 print(json.dumps(snap, default=str))
             else:
@@ -131,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
         from rich.live import Live
 
         def frame():
-            return _rich(str(view.run_dir), view.snapshot())
+            return _rich(str(view.run_dir), {**view.snapshot(), "node_history": history_summary(view.run_dir, args)})
 
         with Live(frame(), refresh_per_second=4, screen=False) as live:
             while True:

@@ -30,6 +30,7 @@ ENV_RING_PREFIX = "TRAINGUARD_RING_PREFIX"  # set by the agent's profiling monit
 ENV_FLAGS = "TRAINGUARD_PROFILING_FLAGS"  # initial switch word (ring.FLAG_*)
 ENV_CAPACITY = "TRAINGUARD_RING_CAPACITY"
 ENV_OWNER = "TRAINGUARD_RING_OWNER"  # pid of the process that took this rank's ring
+ENV_NAN_CHECK = "TRAINGUARD_NAN_CHECK"  # = nancheck.ENV_DIR: set by the agent for a NaN replay only
 # The directory whose sitecustomize.py instruments processes trainguard does not start itself.
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitedir")
 
@@ -39,13 +40,24 @@ _installed = False
 def install() -> None:
     global _installed
     prefix = os.environ.get(ENV_RING_PREFIX)
-    if not prefix or _installed or os.environ.get(ENV_OWNER) or _multiprocessing_child():
+    nan_check = os.environ.get(ENV_NAN_CHECK)  # a NaN replay's gradient check (worker/nancheck.py)
+    if not (prefix or nan_check) or _installed or os.environ.get(ENV_OWNER) or _multiprocessing_child():
         return
     _installed = True
+    if nan_check:
+        when_imported("torch", _install_nancheck)
+    if not prefix:
+        return
     try:
         _install(prefix)
     except Exception as exc:
         print(f"trainguard: profiling disabled: {exc}", file=sys.stderr, flush=True)
+
+
+def _install_nancheck(torch: ModuleType) -> None:
+    from trainguard.worker import nancheck
+
+    nancheck.install_torch(torch)
 
 
 def _multiprocessing_child() -> bool:

@@ -41,33 +41,15 @@ from trainguard import torch_compat
 from trainguard.worker import ring as R
 from trainguard.worker.spans import Recorder
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_coalesced",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-)
+COLLECTIVES = R.COLL_OPS[:-1]  # every torch.distributed collective wrapped (the last: DDP's buckets)
+DDP_OP_ID = len(R.COLL_OPS)
 FORWARD_CALIBRATION_CALLS = 256
 HOLD_POLL_S = 0.05  # how often a held rank looks whether `trainguard chaos hang` released it  # without an optimizer step, settle the top-level modules after this
 
 _tls = threading.local()  # .comm / .ckpt: nesting depth, so only the outermost call is a span
+# The NaN replay's gradient check (worker/nancheck.py): sees each DDP bucket before its all-reduce.
+# None outside a replay, so the hot path pays one global read.
+bucket_check: Callable[[Any], None] | None = None
 
 
 def install(rec: Recorder) -> list[str]:
@@ -232,26 +214,40 @@ def chaos_hang_before_collective(rec: Recorder) -> None:
         time.sleep(HOLD_POLL_S)
 
 
-def _wrap_collective(rec: Recorder, orig: Callable) -> Callable:
+def _comm_span(rec: Recorder, flags: int, orig: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run the collective, inside a Communication span when comm profiling is on (outermost only)."""
+    if not flags & R.FLAG_COMM or getattr(_tls, "comm", 0):
+        return orig(*args, **kwargs)
+    t = _first_tensor(args, kwargs)
+    cuda = not kwargs.get("async_op", False) and getattr(t, "is_cuda", False)
+    begun = rec.cuda_begin() if cuda else perf_counter_ns()
+    _tls.comm = 1
+    try:
+        return orig(*args, **kwargs)
+    finally:
+        _tls.comm = 0
+        if cuda:
+            rec.cuda_end(R.COMMUNICATION, begun)
+        else:
+            rec.record(R.COMMUNICATION, begun, perf_counter_ns())
+
+
+def _wrap_collective(rec: Recorder, orig: Callable, name: str = "") -> Callable:
+    op_id = R.COLL_OPS.index(name or orig.__name__) + 1
+
     @functools.wraps(orig)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        flags = rec.flags()  # one read of the shared flag word: the hot path's only cost
+        flags = rec.flags()  # one read of the shared flag word per call
         if flags & R.FLAG_HOLD:
             chaos_hang_before_collective(rec)
-        if not flags & R.FLAG_COMM or getattr(_tls, "comm", 0):
-            return orig(*args, **kwargs)
-        t = _first_tensor(args, kwargs)
-        cuda = not kwargs.get("async_op", False) and getattr(t, "is_cuda", False)
-        begun = rec.cuda_begin() if cuda else perf_counter_ns()
-        _tls.comm = 1
+        if getattr(_tls, "seq", 0):  # inside a counted collective (all_gather_object's all_gather): counted once
+            return _comm_span(rec, flags, orig, args, kwargs)
+        _tls.seq = 1
+        rec.collective(op_id)  # the counters are always on (the sequence of collectives)
         try:
-            return orig(*args, **kwargs)
+            return _comm_span(rec, flags, orig, args, kwargs)
         finally:
-            _tls.comm = 0
-            if cuda:
-                rec.cuda_end(R.COMMUNICATION, begun)
-            else:
-                rec.record(R.COMMUNICATION, begun, perf_counter_ns())
+            _tls.seq = 0
 
     collective._trainguard = True  # type: ignore[attr-defined]
     return collective
@@ -268,7 +264,7 @@ def _install_collectives(rec: Recorder) -> None:
         orig = getattr(c10d, name, None)
         if orig is None or getattr(orig, "_trainguard", False):
             continue
-        wrapped = _wrap_collective(rec, orig)
+        wrapped = _wrap_collective(rec, orig, name)
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is orig:
             setattr(dist, name, wrapped)
@@ -286,18 +282,25 @@ class _CommHookState:
 def _trainguard_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     # No annotations: DDP checks them against dist.GradBucket / Future[Tensor] (strings here would fail).
     rec = state.rec
+    if bucket_check is not None:
+        bucket_check(bucket.buffer())
     flags = rec.flags()
     if flags & R.FLAG_HOLD:
         chaos_hang_before_collective(rec)
+    rec.collective(DDP_OP_ID)
     if not flags & R.FLAG_COMM:
-        return state.inner(state.inner_state, bucket)
+        _tls.seq = 1  # the default hook's dist.all_reduce is this bucket's, counted once
+        try:
+            return state.inner(state.inner_state, bucket)
+        finally:
+            _tls.seq = 0
     cuda = bucket.buffer().is_cuda
     begun = rec.cuda_begin() if cuda else perf_counter_ns()
-    _tls.comm = 1  # the inner hook's dist.all_reduce is part of this span
+    _tls.comm = _tls.seq = 1  # the inner hook's dist.all_reduce is part of this span (and counted)
     try:
         fut = state.inner(state.inner_state, bucket)
     finally:
-        _tls.comm = 0
+        _tls.comm = _tls.seq = 0
 
     def done(f: Any) -> Any:
         # Runs when the all-reduce completed (possibly on another thread: the recorder queues it).

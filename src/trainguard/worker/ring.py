@@ -9,7 +9,9 @@ Layout (little endian)::
     0     header (128 bytes, fields below)
     128   step history: STEP_HISTORY x (end_unix_ns i64, duration_ns i64), slot = (step - 1) % STEP_HISTORY
     4224  span names: MAX_NAMES x 32 bytes utf-8 (named spans: ``trainguard.span("name")``)
-    8320  records: capacity x RECORD (kind u8, aux u8, name_id u16, step u32, start_ns i64, end_ns i64,
+    8320  collectives: COLL_SLOTS x u32: [0] collectives started, [1] id of the last one started
+          (1 + its index in COLL_OPS), [2 + i] calls of COLL_OPS[i] started
+    8576  records: capacity x RECORD (kind u8, aux u8, name_id u16, step u32, start_ns i64, end_ns i64,
           seq u64)
 
 Record times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC); the header's ``clock_offset_ns``
@@ -20,7 +22,9 @@ counts the lost records and skips ahead). A reader lapped *while* copying a slot
 record; at 32768 slots and a drain every 0.2 s that needs >150k spans/s.
 
 The header's step fields are written on every step whatever the profiling switch says, so the
-hang detector always has step timing.
+hang detector always has step timing; the collective counters likewise on every collective (a
+rank's sequence number and its calls per operation: the hang report says which of two ranks in
+two different collectives is out of sequence, detect/sequence.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 MAGIC = 0x31524754  # "TGR1"
-VERSION = 1
+VERSION = 2  # 2: the collective counters
 
 # Span kinds. The first five are the seed's (TaskD lightweight profiling) names.
 STEP, FP, DATALOADER, COMMUNICATION, SAVE_CHECKPOINT, USER = 1, 2, 3, 4, 5, 6
@@ -80,7 +84,17 @@ STEP_OFF = HEADER_SIZE
 NAME_SIZE = 32
 MAX_NAMES = 128
 NAMES_OFF = STEP_OFF + STEP_HISTORY * 16
-RECORDS_OFF = NAMES_OFF + MAX_NAMES * NAME_SIZE
+COLL_OFF = NAMES_OFF + MAX_NAMES * NAME_SIZE
+COLL_SLOTS = 64
+# The operations counted (worker/hooks.py: the torch.distributed collectives it wraps and DDP's
+# gradient all-reduce, one per bucket). Append only: the index is the id.
+COLL_OPS = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+    "monitored_barrier", "gather", "scatter", "send", "recv", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "ddp_gradient_all_reduce",
+)  # fmt: skip
+RECORDS_OFF = COLL_OFF + COLL_SLOTS * 4
 RECORD = struct.Struct("<BBHIqqQ")
 DEFAULT_CAPACITY = 1 << 15  # 32768 records x 32 B = 1 MiB per rank
 
@@ -136,6 +150,7 @@ class RingWriter:
         self.i64 = memoryview(self.mm)[:HEADER_SIZE].cast("q")
         self.u32 = memoryview(self.mm)[:HEADER_SIZE].cast("I")
         self.steps_view = memoryview(self.mm)[STEP_OFF:NAMES_OFF].cast("q")
+        self.coll_view = memoryview(self.mm)[COLL_OFF:RECORDS_OFF].cast("I")
 
     def claim(self, path: str) -> None:
         """Move a private ring into a new file at ``path`` (FileExistsError when another process
@@ -172,6 +187,14 @@ class RingWriter:
         self.i64[IDX_LAST_DUR] = duration_ns
         self.u64[IDX_STEPS] = step  # published last
 
+    def collective(self, op_id: int) -> None:
+        """One collective started: ``op_id`` is 1 + its index in COLL_OPS (any thread: the agent
+        only reads these counters, and a rank runs one collective at a time per stream)."""
+        v = self.coll_view
+        v[2 + op_id - 1] += 1
+        v[1] = op_id
+        v[0] += 1  # published last
+
     def add_dropped(self, n: int) -> None:
         self.u64[IDX_DROPPED] += n
 
@@ -191,7 +214,7 @@ class RingWriter:
         return nid
 
     def close(self) -> None:
-        for view in (self.u64, self.i64, self.u32, self.steps_view):
+        for view in (self.u64, self.i64, self.u32, self.steps_view, self.coll_view):
             view.release()
         self.mm.close()
 

@@ -56,6 +56,10 @@ class Recorder:
     def flags(self) -> int:
         return self._flags[R.IDX_FLAGS32]
 
+    def collective(self, op_id: int) -> None:
+        """A collective started (always on): the rank's sequence number and calls per operation."""
+        self.writer.collective(op_id)
+
     # ---- records ------------------------------------------------------------------------------
     def record(self, kind: int, start_ns: int, end_ns: int, name_id: int = 0, aux: int = 0) -> None:
         """Write one finished span (caller checked the switch). Safe from any thread."""

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainguard.detect.culprit import CulpritVerdict, RankView, classify, find_culprit
 from trainguard.detect.hang import (
@@ -45,7 +46,9 @@ from trainguard.detect.progress import (
     decide_stall,
     judge_progress,
     phase_of,
+    stopped_proof,
 )
+from trainguard.detect.sequence import InCall, SequenceFinding, compare_sequences
 from trainguard.detect.waits import Wait, classify_wait
 from trainguard.evidence import HangEvidence, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
@@ -127,8 +130,11 @@ class HangSettings:
         return cls(config=dataclasses.replace(HangConfig(), **fields))
 
 
-def create(options: argparse.Namespace) -> Monitor | None:
-    settings = HangSettings.from_options(options)
+def settings(options: argparse.Namespace) -> HangSettings:
+    return HangSettings.from_options(options)
+
+
+def create(settings: HangSettings) -> Monitor | None:
     return HangMonitor(settings.config) if settings.enabled else None
 
 
@@ -151,14 +157,16 @@ class _History:
 
     def __init__(self, cfg: HangConfig) -> None:
         keep = int(max(cfg.window, 4 * cfg.stack_every) / cfg.period) + 8
-        self.procs: dict[int, deque[proc.ProcSample]] = {}
+        # rank -> (its /proc sample, the collectives it had started then: None when unknown)
+        self.procs: dict[int, deque[tuple[proc.ProcSample, int | None]]] = {}
         self.stacks: dict[int, deque[tuple[float, tuple[stacks.Frame, ...] | None]]] = {}
         self.same_since: dict[int, float] = {}  # rank -> when its main-thread stack last changed
         self._keep = keep
 
-    def add_procs(self, samples: dict[int, proc.ProcSample]) -> None:
+    def add_procs(self, samples: dict[int, proc.ProcSample], collectives: dict[int, Any] | None = None) -> None:
         for r, s in samples.items():
-            self.procs.setdefault(r, deque(maxlen=self._keep)).append(s)
+            seq = getattr((collectives or {}).get(r), "seq", None)
+            self.procs.setdefault(r, deque(maxlen=self._keep)).append((s, seq))
 
     def add_stacks(self, when: float, views: dict[int, RankView]) -> None:
         for r, v in views.items():
@@ -183,7 +191,8 @@ class _History:
             start = min(start, st[-3][0])
         start = max(start, since)
         st = [(t, f) for t, f in st if t >= start - 1e-6]
-        ps = [p for p in self.procs.get(rank, ()) if p.time >= start - 1e-6]
+        kept = [(p, c) for p, c in self.procs.get(rank, ()) if p.time >= start - 1e-6]
+        ps = [p for p, _ in kept]
         return RankSamples(
             rank,
             times=[p.time for p in ps],
@@ -192,6 +201,7 @@ class _History:
             io=[p.io for p in ps],
             stacks=[f for _, f in st],
             net=[p.net for p in ps],
+            collectives=[c for _, c in kept],
         )
 
 
@@ -230,6 +240,7 @@ class _Watch:
         # user's own evaluation loop body must not lose the evaluation the others showed.
         self.recent_phase: dict[int, str] = {}
         self.d_since: dict[int, float] = {}  # rank -> when it was first seen in D (uninterruptible sleep)
+        self.t_since: dict[int, float] = {}  # rank -> when it was first seen stopped by a signal (T), this time
         self.waits: dict[int, Wait] = {}  # rank -> what it waits on (the latest stall round)
         self.raw_waits: dict[int, Wait] = {}  # ... as the last round classified it (before confirmation)
 
@@ -239,12 +250,15 @@ class _Watch:
         if not any(s.alive and s.state not in ("Z", "X") for s in samples.values()):
             self.learn_first_step()  # a short attempt may end before a round saw its steps
             return None  # all workers exited: the agent handles that
-        self.history.add_procs(samples)
+        self.history.add_procs(samples, self.ctx.steps.collectives())
         for r, s in samples.items():
-            if s.state == "D":
-                self.d_since.setdefault(r, now)
-            else:
-                self.d_since.pop(r, None)
+            # Only "T" (a stop signal) takes the early path: "t" is a tracer's stop (a debugger, or a
+            # stack dump in progress), a person at work that the step threshold still judges.
+            for since, held in ((self.d_since, s.state == "D"), (self.t_since, s.alive and s.state == "T")):
+                if held:
+                    since.setdefault(r, now)
+                else:
+                    since.pop(r, None)
         self.detector.observe(
             now,
             [Activity(r, s.io, s.cpu, s.state, s.alive) for r, s in samples.items()],
@@ -276,7 +290,9 @@ class _Watch:
                 self._steps_resumed(now, stats.last_end)
             since, stall = stats.last_end, a.stall
             threshold = stats.threshold if stats.ready else math.inf
-        if stall < min(0.5 * threshold, self.cfg.detect_time):
+        # A rank stopped for a whole window is proof in hand before the threshold (stopped_proof).
+        stopped = any(now - t >= self.cfg.window for t in self.t_since.values())
+        if stall < min(0.5 * threshold, self.cfg.detect_time) and not stopped:
             return None
         self.stalled = True
         if now >= self.next_stacks:
@@ -290,8 +306,10 @@ class _Watch:
                     self.recent_phase[r] = phase_of(pos)
             self.next_stacks = now + max(self.cfg.stack_every, 2 * (time.monotonic() - t0))
         verdict = self.last_verdict
-        if verdict is None or (stall <= threshold and stall < self.cfg.detect_time):
+        if verdict is None:
             return None
+        if stall <= threshold and stall < self.cfg.detect_time:
+            return self._judge_stopped(now, dataclasses.replace(a, stall=stall), verdict, pids, since) if stopped else None
         return self._judge(now, dataclasses.replace(a, stall=stall), verdict, pids, since, threshold)
 
     def learn_first_step(self) -> None:
@@ -339,19 +357,40 @@ class _Watch:
         self.waits, self.raw_waits = {}, {}
         self.next_stacks = -math.inf
 
-    def _judge(
-        self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int], since: float, threshold: float
-    ) -> HangEvidence | None:
-        """The verdict on a stall of ``a.stall`` seconds (since ``since``, over ``threshold``)."""
-        cfg = self.cfg
+    def _progress(self, now: float, verdict: CulpritVerdict, since: float) -> tuple[CulpritVerdict, dict[int, Progress]]:
+        """The verdict with each rank's recent phase, and each rank's progress since ``since``."""
         verdict = dataclasses.replace(verdict, positions={
             r: p if phase_of(p) else dataclasses.replace(p, phase=self.recent_phase.get(r, ""))
             for r, p in verdict.positions.items()
         })  # fmt: skip
         progress = {
-            r: judge_progress(self.history.samples(r, now, cfg, since), cfg, waiting=p.waiting)
+            r: judge_progress(self.history.samples(r, now, self.cfg, since), self.cfg, waiting=p.waiting)
             for r, p in verdict.positions.items()
         }
+        return verdict, progress
+
+    def _judge_stopped(
+        self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int], since: float
+    ) -> HangEvidence | None:
+        """Before the step threshold: a verdict only on a rank stopped for a whole window
+        (detect.progress.stopped_proof); the other nodes' declarations add nothing to that proof,
+        so they are not waited for (their ranks wait in the collective: their views arrive when
+        they have shared them)."""
+        verdict, progress = self._progress(now, verdict, since)
+        stopped_for = {r: now - t for r, t in self.t_since.items()}
+        sv = stopped_proof(verdict, progress, stopped_for, self.cfg.window)
+        if sv is None or self._moved_on(a, pids):
+            return None
+        if self.exchange is not None:
+            self._share(verdict, progress)
+        return self._conclude(now, a, sv, verdict, progress, gather_s=self.cfg.period)
+
+    def _judge(
+        self, now: float, a: Assessment, verdict: CulpritVerdict, pids: dict[int, int], since: float, threshold: float
+    ) -> HangEvidence | None:
+        """The verdict on a stall of ``a.stall`` seconds (since ``since``, over ``threshold``)."""
+        cfg = self.cfg
+        verdict, progress = self._progress(now, verdict, since)
         threshold = min(threshold, cfg.detect_time)
         limits = Limits(
             threshold=threshold,
@@ -487,14 +526,15 @@ class _Watch:
         the ranks here may all wait for a long evaluation over there. (The other nodes judge the
         same stall from their own samples and stacks: give their views time to arrive.)"""
         assert self.exchange is not None
+        local = verdict.positions
+        if sv.culprit in local and not local[sv.culprit].waiting:
+            return sv  # a culprit here, outside any collective: what the others do cannot clear it
         try:
             moving, rank = self.exchange.others_moving(max(5.0, 3 * self.cfg.period))
         except Exception as exc:  # the store going away must not stop the watch
             log.warning("hang: could not read the other nodes' progress: %s", exc)
             moving, rank = 0, None
-        local = verdict.positions
-        culprit_dead = sv.culprit in local and not local[sv.culprit].waiting
-        if moving and not culprit_dead:
+        if moving:
             rank = rank if rank not in local else None
             who = f"rank {rank}" if rank is not None else "a rank"
             return StallVerdict("watch", rank, "", f"{who} on another node progresses")
@@ -520,10 +560,12 @@ class _Watch:
         return _by_node([self._node_views(verdict, progress), *others.values()])
 
     def _conclude(
-        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress]
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+        gather_s: float | None = None,
     ) -> HangEvidence | None:
         """This node found a hang. On one node: record it. On several: declare it, and either
-        judge it for the job (the first to claim it) or act on the verdict of the node that did."""
+        judge it for the job (the first to claim it, waiting ``gather_s`` for the others'
+        declarations, gather_wait by default) or act on the verdict of the node that did."""
         ex = self.exchange
         if ex is None:
             return self._record(now, a, sv, verdict, progress)
@@ -532,7 +574,8 @@ class _Watch:
         try:
             ex.publish(mine)
             if ex.claim():
-                return self._judge_for_job(now, a, sv, verdict, progress, mine, self.gather_wait)
+                return self._judge_for_job(now, a, sv, verdict, progress, mine,
+                                           self.gather_wait if gather_s is None else gather_s)  # fmt: skip
             agreed = ex.verdict(wait)
         except Exception as exc:  # no store: this node's own verdict rather than none
             log.warning("hang: could not agree on a verdict with the other nodes (%s): recording this node's", exc)
@@ -585,7 +628,7 @@ class _Watch:
     def _moved_on(self, a: Assessment, pids: dict[int, int]) -> bool:
         later = time.time()
         samples = waits.with_net(proc.sample_workers(pids, later))
-        self.history.add_procs(samples)
+        self.history.add_procs(samples, self.ctx.steps.collectives())
         self.detector.observe(
             later,
             [Activity(r, x.io, x.cpu, x.state, x.alive) for r, x in samples.items()],
@@ -624,10 +667,11 @@ class _Watch:
                        limit_s=round(sv.limit, 2), phase=sv.phase,
                        waits={str(r): w.to_dict() for r, w in sorted(self.waits.items())})  # fmt: skip
         shown = dataclasses.replace(a, rule=rule, message=sv.why, signals=signals)
+        seq = sequence_finding(verdict, ctx.steps.collectives())
         report = None
         try:
             report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, shown, verdict, dumps,
-                                                          self.remote_views, level, nodes or {}))  # fmt: skip
+                                                          self.remote_views, level, nodes or {}, seq.lines))  # fmt: skip
         except OSError as exc:  # a full disk must not stop the restart
             log.error("could not write the hang report: %s", exc)
         culprit = sv.culprit
@@ -644,6 +688,8 @@ class _Watch:
                        f"stops, or after {self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
         else:
             message = f"job hung ({rule}): culprit {who}: {sv.why}" + (f". Known causes: {causes}" if causes else "")
+        if seq.lines:
+            message += ". Sequence: " + "; ".join(seq.lines)
         evidence = {
             "level": level,
             "rule": rule,
@@ -669,6 +715,7 @@ class _Watch:
                 for r, pos in sorted(verdict.positions.items())
             },
             "report": str(report) if report else None,
+            **({"sequence": seq.to_dict()} if seq.lines else {}),
             "attempt": ctx.restart_count,
             "recorded_by": ctx.node,
             **({"nodes": nodes} if nodes else {}),
@@ -678,6 +725,18 @@ class _Watch:
             culprit, rule, reason, list(verdict.causes) if level == "detected" else [], evidence["report"],
             ctx.restart_count, level=level, progress=progress_kind, doing=sv.why, recorded_by=ctx.node,
         )  # fmt: skip
+
+
+def sequence_finding(verdict: CulpritVerdict, counts: dict[int, object]) -> SequenceFinding:
+    """Ranks waiting in different collectives, compared by their collective counters (the
+    profiling monitor reads them from the rings into ``ctx.steps``; none without the hooks)."""
+    calls = {}
+    for r, pos in verdict.positions.items():
+        if pos.kind == "collective" and pos.op:
+            calls[r] = InCall(pos.op, pos.site)
+        elif pos.kind == "backward":
+            calls[r] = InCall("ddp_gradient_all_reduce", pos.site)
+    return compare_sequences(calls, counts)  # type: ignore[arg-type]
 
 
 def _remote_stack(views: dict[int, RankView], rank: int | None) -> list[str]:

@@ -32,6 +32,7 @@ class HangReport:
     remote: dict[int, RankView] = field(default_factory=dict)  # other nodes' ranks
     level: str = "detected"  # or "suspected": steps stopped, the culprit still progresses
     nodes: dict[str, dict] = field(default_factory=dict)  # several nodes: what each saw (NodeViews.evidence)
+    sequence: list[str] = field(default_factory=list)  # ranks in different collectives (detect/sequence.py)
 
 
 def render(r: HangReport) -> str:
@@ -59,6 +60,8 @@ def render(r: HangReport) -> str:
         state = d.state if d else "?"
         mark = "  <== culprit" if rank == verdict.rank else ""
         lines.append(f"  rank {rank} (pid {pid}, state {state or 'gone'}): {position.describe()}{mark}")
+    if r.sequence:
+        lines += ["", "collective sequence (ranks in different collectives):"] + [f"  {ln}" for ln in r.sequence]
     lines += _nodes(r.nodes)
     lines += ["", "signals:"]
     lines += ["  " + ln for ln in json.dumps(assessment.signals, indent=2, default=str).splitlines()]

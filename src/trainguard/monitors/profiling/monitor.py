@@ -81,10 +81,22 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     add_arguments(group)  # the straggler monitor's flags: it analyses what this monitor reads
 
 
-def create(options: argparse.Namespace) -> list[Monitor]:
+@dataclass(frozen=True)
+class ProfilingRunSettings:
+    """The two monitors this module makes: profiling's settings and the straggler detector's."""
+
+    profiling: ProfilingSettings
+    straggler: S.StragglerConfig
+
+
+def settings(options: argparse.Namespace) -> ProfilingRunSettings:
+    return ProfilingRunSettings(ProfilingSettings.from_options(options), config_from(options))
+
+
+def create(settings: ProfilingRunSettings) -> list[Monitor]:
     # The straggler monitor first: it starts each attempt afresh before the rings are read.
-    straggler = StragglerMonitor(config_from(options))
-    return [straggler, ProfilingMonitor(ProfilingSettings.from_options(options), windows=straggler)]
+    straggler = StragglerMonitor(settings.straggler)
+    return [straggler, ProfilingMonitor(settings.profiling, windows=straggler)]
 
 
 class WindowSink(Protocol):
@@ -144,6 +156,10 @@ class ProfilingMonitor(Monitor):
             self._node, self._bus = ctx.node, ctx.events
             self._expected = {w.global_rank: R.ring_path(self.prefix, ctx.restart_count, w.global_rank) for w in ctx.workers}
 
+    def on_workers_failed(self, ctx: MonitorContext, failures: dict) -> None:
+        self.poll(ctx)  # the steps the failed attempt reached, for the restart-loop guard
+        return None
+
     def on_workers_stopped(self, ctx: MonitorContext) -> None:
         with self._lock:
             self._expected = {}
@@ -172,6 +188,7 @@ class ProfilingMonitor(Monitor):
                 for e in st.reader.steps_since(st.seen_step):
                     ctx.steps.record(StepSample(rank, e.step, e.end_unix_ns / 1e9, e.duration_ns / 1e9))
                     st.seen_step = e.step
+                ctx.steps.set_collectives(rank, st.reader.collectives())
         return None
 
     # ---- background thread ------------------------------------------------------------------------

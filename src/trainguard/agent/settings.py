@@ -1,0 +1,232 @@
+"""`trainguard run`'s options as ONE typed, validated object, built once from the parsed command
+line (``RunSettings.from_args``, called by agent/cli.py right after argparse).
+
+Every check that can refuse the command happens here, before anything starts: a problem is one
+line (``SettingsError``), the command exits EXIT_USAGE. The rooms below get only their part:
+
+- ``launch``: what agent/launch.py itself needs (run dir, node names, notifications, the target...);
+- ``policy``: ``PolicySettings`` for policy.py;
+- ``monitors``: each monitor's own settings object, by monitor name (monitors/plugins.py);
+- ``scheduler``: ``SchedulerSettings`` (flags and the Slurm allocation found) for schedulers/;
+- ``torchrun``: torchrun's own parsed flags, for torch's ``config_from_args`` only (see ``TorchRun``).
+
+A new flag is: its argparse line, a field in its room's dataclass, one line in that dataclass's
+builder (``from_options``, called from here only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import Std
+from torch.distributed.elastic.utils import macros
+from torch.distributed.run import get_use_env, parse_min_max_nnodes
+
+from trainguard.cluster.node_history import HistorySettings
+from trainguard.events import Severity
+from trainguard.events.notify import bad_urls, urls_from_env
+from trainguard.monitors import plugins
+from trainguard.options import SettingsError, node_name_problem
+from trainguard.policy import PolicySettings
+from trainguard.schedulers import adapter as scheduler
+from trainguard.spawn.pcontext import Target
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What the launch itself follows (agent/launch.py)."""
+
+    run_dir: Path  # absolute; made and checked writable by the launch
+    node_names: tuple[str, ...]  # the names this node may take, first free one wins
+    notify: tuple[str, ...]  # --notify URLs, then TRAINGUARD_NOTIFY's
+    notify_severity: Severity
+    prestart: str  # --prestart-workers: on, spawn, off (off for --no-python)
+    stop_timeout: float  # --worker-stop-timeout
+    exit_barrier_timeout: float
+    hold_on_failure: float | None  # minutes
+    target: Target
+    script_args: tuple[str, ...]  # the script's args (with --local-rank in torchrun's --no-use-env mode)
+    tee_ranks: frozenset[int] | None  # local ranks echoed to the console; None: all
+    node_history: HistorySettings = HistorySettings()  # the site's node history (cluster/node_history.py)
+    standby: bool = False  # --standby: this agent waits beside the job and replaces a lost node (agent/standby.py)
+
+
+@dataclass(frozen=True)
+class TorchRun:
+    """torchrun's parsed flags, kept as torch's argparse.Namespace for ONE reason: torch's own
+    ``config_from_args`` (which turns ~30 torchrun flags into its LaunchConfig, with torch's
+    defaults and checks) reads them from that Namespace; copying them into fields here would fork
+    torch's parser. Nothing else reads ``args``. Its defaults for a single-node job are set once,
+    here (``_torchrun_defaults``)."""
+
+    args: argparse.Namespace
+    single: bool  # one node on loopback: its stores listen on 127.0.0.1 only
+    torch_files: bool  # the user asked for torchrun's own per-rank files (--log-dir, --redirects, --tee)
+    fresh_run_id: bool  # --rdzv-id left at torchrun's "none" (without --standalone): a new uuid
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    launch: LaunchSettings
+    policy: PolicySettings
+    monitors: Mapping[str, Any]  # monitor name -> its settings object (plugins.read_settings)
+    scheduler: scheduler.SchedulerSettings
+    torchrun: TorchRun
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> RunSettings:
+        """Check and type everything; raises SettingsError (one line). ``args`` is torchrun's and
+        trainguard's parsed flags: the Slurm allocation fills the flags left unset first, then each
+        room reads its part, then torchrun's own defaults are set for torch."""
+        problem = _flag_problem(args)
+        if problem:
+            raise SettingsError(problem)
+        job = scheduler.autodetect(args, env)  # fills --nnodes, --node-name... before anything reads them
+        sched = scheduler.SchedulerSettings.from_options(args, job)
+        monitors = MappingProxyType(plugins.read_settings(args))  # read-only, like the rest
+        launch = _launch_settings(args)
+        policy = PolicySettings.from_options(args)
+        return cls(launch, policy, monitors, sched, _torchrun_defaults(args))
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """A clear message for input torch's parser lets through."""
+    if not args.module and not args.no_python:
+        script = args.training_script
+        if not os.path.isfile(script):
+            return f"training script not found: {script}"
+    try:
+        parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        return f"--nnodes {args.nnodes!r}: expected a number of nodes N or MIN:MAX"
+    nproc = str(args.nproc_per_node).strip()
+    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+        return f"--nproc-per-node must be at least 1 (or auto, gpu, cpu), got {nproc}"
+    if not (args.monitor_interval > 0 and math.isfinite(args.monitor_interval)):
+        return f"--monitor-interval must be a number of seconds > 0, got {args.monitor_interval}"
+    try:
+        Severity.parse(args.notify_severity)
+    except ValueError as exc:
+        return f"--notify-severity: {exc}"
+    return _std_problem(args)
+
+
+def _std_problem(args: argparse.Namespace) -> str | None:
+    """torch reads --redirects/--tee only when it builds its config, and then fails with a traceback."""
+    for flag, value in (("--redirects", args.redirects), ("--tee", args.tee)):
+        try:
+            Std.from_str(str(value))
+        except ValueError:
+            return (f"{flag} {value!r}: expected 0-3 (0 none, 1 stdout, 2 stderr, 3 both) or per local rank "
+                    "as 0:1,1:3")
+    return None
+
+
+def _launch_settings(args: argparse.Namespace) -> LaunchSettings:
+    notify = tuple((args.notify or []) + urls_from_env())
+    bad = bad_urls(list(notify))
+    if bad:  # said now, not at the first failure a job has hours later
+        raise SettingsError(f"notification URL not understood: {bad[0]} (see https://github.com/caronc/apprise)")
+    names = _node_names(args)
+    if problem := node_name_problem(names[0]):  # a name from the scheduler or the hostname: checked like --node-name
+        raise SettingsError(f"node name {problem}; give --node-name")
+    # torchrun passes the script's own args, plus --local-rank only in its legacy --no-use-env mode.
+    script_args = list(args.training_script_args)
+    if not get_use_env(args):
+        script_args.insert(0, f"--local-rank={macros.local_rank}")
+    tee = None if not args.quiet else frozenset()
+    if args.local_ranks_filter:
+        tee = frozenset(int(r) for r in args.local_ranks_filter.split(","))
+    return LaunchSettings(
+        run_dir=Path(args.run_dir or Path("trainguard-runs") / _job_id(args)).absolute(),
+        node_names=tuple(names),
+        notify=notify,
+        notify_severity=Severity.parse(args.notify_severity),
+        # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
+        prestart="off" if args.no_python else args.prestart_workers,
+        stop_timeout=args.worker_stop_timeout,
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        hold_on_failure=args.hold_on_failure,
+        target=_target(args),
+        script_args=tuple(script_args),
+        tee_ranks=tee,
+        node_history=HistorySettings.from_options(args),
+        standby=_standby(args),
+    )
+
+
+def _standby(args: argparse.Namespace) -> bool:
+    """--standby: only where torch's rendezvous can keep a node waiting beyond --nnodes MAX.
+    (--standby-nodes is the Slurm adapter's: inside a step it became each node's --standby.)"""
+    if getattr(args, "standby_nodes", 0):
+        raise SettingsError("--standby-nodes picks the standby nodes of a Slurm step; outside one, start each "
+                            "standby node's agent with --standby")
+    if not args.standby:
+        return False
+    if args.standalone:
+        raise SettingsError("--standby joins another agent's rendezvous: not with --standalone")
+    if args.rdzv_backend != "c10d":
+        raise SettingsError(f"--standby needs the c10d rendezvous (--rdzv-backend c10d), got {args.rdzv_backend}")
+    return True
+
+
+def _job_id(args: argparse.Namespace) -> str:
+    if args.job_id:
+        return args.job_id
+    if args.rdzv_id and args.rdzv_id != "none":
+        return args.rdzv_id
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _node_names(args: argparse.Namespace) -> list[str]:
+    """The names this node may take, first free one wins: --node-name, else the host name; for a
+    multi-node job without --node-name also ``<host>-1``, ``<host>-2``... so that several agents of
+    one job on one host (torchrun allows it: each is a node) get distinct names and locks. A
+    single-node job keeps one name: a second one on its run dir is a mistake, refused."""
+    if args.node_name:
+        return [args.node_name]
+    host = socket.gethostname()
+    max_nodes = parse_min_max_nnodes(args.nnodes)[1]  # checked in _flag_problem; Slurm's is a number
+    return [host, *(f"{host}-{i}" for i in range(1, max_nodes))]
+
+
+def _target(args: argparse.Namespace) -> Target:
+    if args.no_python:
+        return Target(binary=args.training_script)
+    if args.module:
+        return Target(module=args.training_script)
+    return Target(script=os.path.abspath(args.training_script))
+
+
+def _torchrun_defaults(args: argparse.Namespace) -> TorchRun:
+    """The one place torchrun's flags are changed after parsing, as torchrun's run() does: a
+    --standalone (or static single-node) job gets a c10d rendezvous on localhost:0, the master port
+    its default, and --log-dir os.devnull when torchrun's own per-rank files are not wanted (torch's
+    specs then make no torchelastic_* directory in $TMPDIR). Last: the rooms above read the flags
+    as the user (or Slurm) gave them."""
+    fresh_run_id = args.rdzv_id == "none" and not args.standalone
+    single = False
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        single = True
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+            single = True
+    if args.master_port is None:
+        args.master_port = 29500
+    torch_files = bool(args.log_dir) or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE
+    if not torch_files:
+        args.log_dir = os.devnull
+    return TorchRun(args, single, torch_files, fresh_run_id)

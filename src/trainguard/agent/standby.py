@@ -1,0 +1,65 @@
+"""A warm standby node (`trainguard run --standby`): an agent that joins the job's rendezvous as a
+waiting node, trains nothing, and takes a lost node's place in the next round, so the world size
+stays the same.
+
+It is torch elastic's own mechanism: a c10d dynamic rendezvous puts a node that comes while the
+round has --nnodes MAX participants on its redundancy list, where it keeps its heartbeat and waits
+without a timeout; once a participant is gone (the survivors drop a lost node at once, see
+``TrainguardAgent._reform_without``) it joins the next round. All this module adds is the order:
+the standby joins only after the job's round has formed (had it joined first, it could take an
+active node's place and leave that node waiting), and what it says (``standby_joined``,
+``standby_promoted``, ``standby_released``). It is warm because its agent's worker pool has
+already imported torch in its zygote and spare workers (spawn/pool.py) while it waits; once
+promoted, its workers' ``load_latest()`` finds the lost ranks' newest step in the checkpoint dir,
+where the survivors persisted their replicas of it (checkpoint/replica.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
+
+from trainguard import stopsignal, torch_compat
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5  # how often a standby reads whether the job's round has formed
+
+
+def await_formed_round(handler: Any, emit: Callable[..., Any], node: str, poll_s: float = POLL_S) -> None:
+    """Wait until the job's round has formed, then say that this node waits as its standby.
+    Raises RendezvousGracefulExitError (torch's agent then ends its run quietly) when the job
+    ended first. A rendezvous that cannot say (etcd-v2, static) is joined at once."""
+    said_waiting = False
+    while True:
+        stopsignal.raise_pending()
+        got = torch_compat.rendezvous_round(handler)
+        if got is None:
+            log.warning("the %s rendezvous cannot say whether the job's round has formed: joining now",
+                        type(handler).__name__)
+            break
+        closed, complete, participants, max_nodes = got
+        if closed:
+            raise RendezvousGracefulExitError("the job ended before this standby joined")
+        if complete and participants >= 1:
+            break
+        if not said_waiting:
+            log.info("standby %s: waiting for the job's first round to form before joining", node)
+            said_waiting = True
+        time.sleep(poll_s)
+    emit("standby_joined", f"node {node} waits as a standby: it takes the place of the next node lost "
+         f"(the job's round has {participants} of {max_nodes} nodes)",
+         evidence={"node": node, "participants": participants, "max_nodes": max_nodes})
+
+
+def promoted(emit: Callable[..., Any], node: str, group_rank: int, nnodes: int, world_size: int) -> None:
+    emit("standby_promoted", f"standby {node} takes a place in the job: node {group_rank}/{nnodes}, "
+         f"world size {world_size}",
+         evidence={"node": node, "group_rank": group_rank, "nnodes": nnodes, "world_size": world_size})
+
+
+def released(emit: Callable[..., Any], node: str, how: str = "") -> None:
+    emit("standby_released", f"the job ended without needing standby {node}{how}", evidence={"node": node})

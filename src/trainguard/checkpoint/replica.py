@@ -1,0 +1,593 @@
+"""Buddy replication: each node's agent sends its ranks' newest in-memory snapshots to K other
+nodes' agents, which keep them in their own shared memory, so a lost node's state (its shards,
+with sharded state the only copy) survives the node.
+
+Sender (``Replicator``, one thread in the agent, at nice 10 and under an optional rate cap so the
+training's own collectives keep priority; never on a training thread): it watches the node's slot
+files (kept open across its polls), and for every rank's newest complete snapshot not sent yet
+streams it to each buddy over one TCP connection; snapshots saved while it was still sending an
+older one are skipped. It does not pin the slot (the persister owns the pin); a seqlock check after
+the last byte decides whether the transfer commits or is abandoned. The MAC is computed once per
+snapshot, piece by piece as it is sent, and reused for the other buddies (the seqlock check after
+each one proves the bytes unchanged).
+
+Frame: ``MAGIC``, the header's length, the header (JSON: source node, rank, world size, step, seq,
+manifest and data lengths), the manifest, the data, then one byte: 1 = commit, followed by the
+HMAC-SHA256 under the job's key (``cluster.stores.JobKey``) over header, manifest and data;
+0 = abandoned (the worker overwrote the slot meanwhile). The receiver answers one byte.
+
+Receiver (``ReplicaServer``, one thread, at the sender's priority: on a job it competes with its
+own node's training): writes the stream into a spare slot file under ``<shm dir>/replicas/`` (same
+layout as the workers' slots; the file the previous kept transfer displaced, reused so that no
+transfer allocates and zeroes fresh tmpfs pages), hashing it as it arrives, checks the MAC, and
+only then marks it complete and renames it over that rank's older replica in
+``replicas/<source node>/`` (the displaced file becomes the spare): per source node it keeps
+the two newest complete snapshots of each of its ranks (as the workers' double-buffered slots:
+buddies receive at their own pace, and a step every rank's copy holds must survive one of them
+getting a step further), at the newest world size it sent, and drops the rest; one spare file
+besides (the peak is what it was with a fresh file per transfer). An unsigned or wrongly signed
+transfer is refused with one line (``on_rejected``) and leaves nothing behind: no replica, and no
+more memory held than before it.
+
+After a node loss the buddy's persister writes the lost node's replicas to the checkpoint dir at
+the breakpoint (``Persister.persist_replicas``), where ``load_latest`` on every survivor finds every
+old rank's shard of the newest step and reshards it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint import disk
+from trainguard.checkpoint.format import FormatError, decode_manifest
+from trainguard.checkpoint.persist import _set_background_priority
+from trainguard.checkpoint.shm import Slot, SlotCache, parse_slot_name, payload_offsets, slot_path
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TGREPL01"
+_LEN = struct.Struct("<I")
+MAX_HEADER = 16 << 10
+MAC_LEN = 32
+REPLICAS = "replicas"
+SPARE = ".spare"  # in the replicas dir: the next transfer is received into it (reused, see _rotate_in)
+CHUNK = 1 << 20  # hashed, then sent while still in the CPU's cache
+# Sender and receiver threads: nice 10 (False) or the idle class (True); see _set_background_priority.
+BACKGROUND_IDLE = False
+IO_TIMEOUT_S = 30.0
+_NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_COMMIT, _ABANDON = b"\x01", b"\x00"
+_OK, _NO = b"\x01", b"\x00"
+
+
+class Refused(Exception):
+    """A transfer the receiver does not keep (malformed, unsigned, bad MAC): one line says why."""
+
+
+def new_mac(key: bytes) -> hmac.HMAC:
+    """The replica MAC, domain-separated from the job key's other uses; fed as the bytes go by."""
+    return hmac.new(key, b"trainguard-replica\0", hashlib.sha256)
+
+
+@dataclass(frozen=True)
+class Buddy:
+    node: str
+    addr: str
+    port: int
+
+
+# --- receiving ---------------------------------------------------------------------------------
+class ReplicaServer:
+    """Listens on ``addr`` (the address the other nodes reach this one through) and keeps what
+    verified buddies send in ``replicas_root``."""
+
+    def __init__(self, replicas_root: Path, addr: str, key: bytes,
+                 on_rejected: Callable[[str], None] | None = None) -> None:
+        self.root = Path(replicas_root)
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        self._spare = self.root / SPARE
+        self._key = key
+        self._on_rejected = on_rejected or (lambda msg: log.warning("checkpoint replica: %s", msg))
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((addr, 0))
+        self._sock.listen(16)
+        self.addr, self.port = addr, self._sock.getsockname()[1]
+        self.received = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="trainguard-ckpt-replica-in", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        # Receiving (copy + HMAC of every byte) competes with this node's own training for its
+        # cores: the same background priority as the sender.
+        _set_background_priority(threading.get_native_id(), idle=BACKGROUND_IDLE)
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(IO_TIMEOUT_S)
+                try:
+                    self.receive(conn)
+                    conn.sendall(_OK)
+                except Refused as exc:
+                    self._on_rejected(f"refused a snapshot replica from {peer[0]}: {exc}")
+                    _send_quietly(conn, _NO)
+                except (OSError, ValueError) as exc:  # a sender that died mid-transfer: nothing kept
+                    log.info("checkpoint replica from %s not kept: %s", peer[0], exc)
+
+    def receive(self, conn: socket.socket) -> bool:
+        """One transfer. True when kept, False when the sender abandoned it; raises Refused."""
+        head = _recv_exact(conn, len(MAGIC) + _LEN.size)
+        if head[: len(MAGIC)] != MAGIC:
+            raise Refused("not a trainguard snapshot replica")
+        (n,) = _LEN.unpack_from(head, len(MAGIC))
+        if n > MAX_HEADER:
+            raise Refused(f"header of {n} bytes")
+        raw = _recv_exact(conn, n)
+        h = _parse_header(raw)
+        # Before the MAC can be checked: a claimed size beyond the tmpfs's free space (the spare
+        # file's included: it is reused) is refused rather than allocated (fallocate would fail
+        # anyway; this says why in one line).
+        free = shutil.disk_usage(self.root).free + _size_of(self._spare)
+        if h["manifest_len"] + h["data_len"] > free:
+            raise Refused(f"node {h['node']} rank {h['rank']}: {h['data_len']} bytes do not fit in the "
+                          f"{free} bytes free in {self.root}")
+        node_dir = self.root / h["node"]
+        node_dir.mkdir(mode=0o700, exist_ok=True)
+        manifest_off, data_off = payload_offsets(h["manifest_len"])
+        had = _size_of(self._spare)
+        slot = _spare_slot(self._spare, data_off + h["data_len"])
+        kept = False
+        try:
+            slot.begin_write(h["seq"])
+            mac = new_mac(self._key)
+            mac.update(raw)
+            with memoryview(slot.mm) as mv:
+                _recv_into(conn, mv[manifest_off : manifest_off + h["manifest_len"]], mac)
+                _recv_into(conn, mv[data_off : data_off + h["data_len"]], mac)
+            if _recv_exact(conn, 1) != _COMMIT:
+                return False
+            if not hmac.compare_digest(_recv_exact(conn, MAC_LEN), mac.digest()):
+                raise Refused(f"node {h['node']} rank {h['rank']} step {h['step']}: MAC does not match "
+                              "(not sent by an agent of this job, or damaged)")
+            slot.publish(h["seq"], h["step"], h["manifest_len"], h["data_len"], h["rank"], h["world"])
+            _rotate_in(self._spare, _older_slot(node_dir, h["rank"]))
+            kept = True
+            self._drop_older(node_dir, h["world"])
+            self.received += 1
+            return True
+        finally:
+            slot.close()
+            # A transfer not kept never leaves more memory held than before it: an unsigned sender
+            # cannot make this node keep what it claimed.
+            if not kept and _size_of(self._spare) > had:
+                self._spare.unlink(missing_ok=True)
+
+    @staticmethod
+    def _drop_older(node_dir: Path, world: int) -> None:
+        """Bounded memory: a source node's replicas from an earlier world size go."""
+        for path, _ in replica_files(node_dir.parent, node_dir.name):
+            hdr = _peek(path)
+            if hdr is not None and hdr.world != world:
+                path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _spare_slot(spare: Path, size: int) -> Slot:
+    """The file a transfer is received into: the spare (the replica the last kept transfer
+    displaced, its tmpfs pages already allocated and mapped in), grown if needed; a new one when
+    there is none. Allocating and zeroing a fresh file per transfer cost more CPU than the copy."""
+    if spare.exists():
+        try:
+            slot = Slot.open(spare, populate=True)
+        except (OSError, ValueError):
+            spare.unlink(missing_ok=True)
+        else:
+            try:
+                slot.grow(size)
+                return slot
+            except BaseException:
+                slot.close()
+                raise
+    return Slot.create(spare, size)
+
+
+def _rotate_in(spare: Path, dest: Path) -> None:
+    """The received file (``spare``) takes ``dest``'s name atomically; the file it displaces
+    becomes the next spare. Per source node and rank the two newest complete replicas stay under
+    their names throughout; at rest the server holds one spare beyond them (the file a transfer
+    used to be received into meanwhile: the peak is unchanged)."""
+    nxt = spare.with_name(spare.name + ".next")
+    nxt.unlink(missing_ok=True)
+    try:
+        os.link(dest, nxt)
+        recycled = True
+    except FileNotFoundError:
+        recycled = False
+    os.replace(spare, dest)
+    if recycled:
+        os.rename(nxt, spare)
+
+
+def _older_slot(node_dir: Path, rank: int) -> Path:
+    """Where a new replica of ``rank`` goes: over the older of its two (or a free place). Two per
+    rank, as the workers' own slots: buddies receive at their own pace, and the newest step that
+    every rank's copy holds must still be there when one of them got a step further."""
+    paths = [slot_path(node_dir, rank, i) for i in (0, 1)]
+    seqs = []
+    for path in paths:
+        hdr = _peek(path) if path.exists() else None
+        seqs.append(hdr.seq if hdr is not None and hdr.complete else -1)
+    return paths[0] if seqs[0] <= seqs[1] else paths[1]
+
+
+def replica_files(root: Path, node: str | None = None) -> list[tuple[Path, int]]:
+    """(slot file, rank) of every replica kept under ``root`` (of one source node when given)."""
+    out = []
+    try:
+        nodes = [node] if node is not None else sorted(n for n in os.listdir(root) if not n.startswith("."))
+    except OSError:
+        return out
+    for n in nodes:
+        try:
+            names = sorted(os.listdir(Path(root) / n))
+        except OSError:
+            continue
+        out += [(Path(root) / n / name, p[0]) for name in names if (p := parse_slot_name(name)) is not None]
+    return out
+
+
+def _peek(path: Path) -> Any:
+    slot = _open(path)
+    if slot is None:
+        return None
+    try:
+        return slot.header()
+    finally:
+        slot.close()
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        h = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise Refused("header is not JSON") from None
+    if not isinstance(h, dict) or not isinstance(h.get("node"), str) or not _NODE_NAME.fullmatch(h["node"]):
+        raise Refused("header lacks a valid source node name")
+    for k in ("rank", "world", "step", "seq", "manifest_len", "data_len"):
+        v = h.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < 1 << 62:
+            raise Refused(f"header field {k!r} is not an integer")
+    if h["rank"] < 0 or h["world"] < 1 or h["rank"] >= h["world"] or h["manifest_len"] > 64 << 20 or h["seq"] < 1:
+        raise Refused("header fields out of range")
+    return h
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(conn: socket.socket, mv: memoryview, mac: hmac.HMAC | None = None) -> None:
+    """Fill ``mv`` from the connection; ``mac`` is fed each CHUNK as it arrives (still in the CPU's
+    cache, rather than the whole snapshot read back from memory afterwards)."""
+    got = hashed = 0
+    while got < len(mv):
+        k = conn.recv_into(mv[got:], min(len(mv) - got, CHUNK))
+        if k == 0:
+            raise ValueError("connection closed mid-transfer")
+        got += k
+        if mac is not None and (got - hashed >= CHUNK or got == len(mv)):
+            mac.update(mv[hashed:got])
+            hashed = got
+
+
+def _send_quietly(conn: socket.socket, b: bytes) -> None:
+    try:
+        conn.sendall(b)
+    except OSError:
+        pass
+
+
+# --- sending -----------------------------------------------------------------------------------
+@dataclass
+class ReplicationStats:
+    snapshots: int = 0  # snapshots sent and kept by a buddy (one per buddy)
+    bytes: int = 0  # bytes sent for them
+    abandoned: int = 0  # overwritten by the worker while being sent
+    failed: int = 0  # a buddy unreachable or refusing
+    seconds: float = 0.0  # time spent sending
+    lag_s: list[float] = field(default_factory=list)  # from a snapshot's completion until a buddy kept it (newest 1000)
+
+    def kept(self, nbytes: int, lag_s: float | None) -> None:
+        self.snapshots += 1
+        self.bytes += nbytes
+        if lag_s is not None:
+            self.lag_s.append(lag_s)
+            del self.lag_s[:-1000]
+
+    def to_json(self) -> dict[str, Any]:
+        per = self.bytes / self.snapshots if self.snapshots else 0
+        lag = statistics.median(self.lag_s) if self.lag_s else None
+        return {"snapshots": self.snapshots, "bytes": self.bytes, "bytes_per_snapshot": round(per),
+                "abandoned": self.abandoned, "failed": self.failed, "seconds": round(self.seconds, 3),
+                "median_lag_s": None if lag is None else round(lag, 4)}
+
+
+class Replicator:
+    """Sends this node's ranks' newest snapshots (slot files in ``shm_dir``) to its buddies."""
+
+    def __init__(self, shm_dir: Path, node: str, key: bytes, emit: Callable[..., Any],
+                 max_bytes_per_s: float = 0, interval_s: float = 0.02) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.node = node
+        self._key = key
+        self.emit = emit
+        self.rate = max_bytes_per_s
+        self.interval_s = interval_s
+        self.stats = ReplicationStats()
+        self._since = time.time()
+        self._buddies: list[Buddy] = []
+        self._sent: dict[tuple[str, int], int] = {}  # (buddy node, rank) -> seq sent
+        self._down: dict[str, str] = {}  # buddy node -> why the last transfer failed (reported once)
+        self._slots = SlotCache(self.shm_dir)  # the sender thread's own: open across passes
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def set_buddies(self, buddies: list[Buddy]) -> None:
+        with self._lock:
+            self._buddies = list(buddies)
+
+    def start(self) -> None:
+        """Start sending (again, after ``stop``)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._since = time.time()
+            self._thread = threading.Thread(target=self._loop, name="trainguard-ckpt-replica-out", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=IO_TIMEOUT_S)
+            if self._thread.is_alive():
+                return  # still sending: it closes its slots when it ends
+            self._thread = None
+        self._slots.close()
+
+    def _loop(self) -> None:
+        _set_background_priority(threading.get_native_id(), idle=BACKGROUND_IDLE)  # training first
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self.run_pass()
+                except Exception as exc:  # never let the thread die: the next pass may succeed
+                    log.exception("checkpoint replication pass failed: %s", exc)
+        finally:
+            self._slots.close()
+
+    def run_pass(self) -> int:
+        """Send every rank's newest complete snapshot to every buddy that lacks it (only the newest:
+        when sending falls behind the saves, the snapshots in between are skipped). Returns how
+        many transfers were kept."""
+        with self._lock:
+            buddies = list(self._buddies)
+        sent = 0
+        for slot, hdr in self._newest() if buddies else []:
+            digest = None  # hashed once, while sent to the first buddy; the seqlock covers the rest
+            for buddy in buddies:
+                if self._sent.get((buddy.node, hdr.rank), 0) >= hdr.seq:
+                    continue
+                now = slot.header()
+                if now is None or not now.complete or now.seq != hdr.seq:
+                    break  # overwritten meanwhile: the next pass sends the newer one
+                got = self._send_one(buddy, slot, hdr, digest)
+                if got is not None:
+                    digest = got
+                    sent += 1
+        return sent
+
+    def _newest(self) -> list[tuple[Slot, Any]]:
+        """(slot, header) of each own rank's newest complete snapshot, from slot files kept open."""
+        try:
+            names = sorted(os.listdir(self.shm_dir))
+        except OSError:
+            return []
+        newest: dict[int, tuple[Slot, Any]] = {}
+        for name in names:
+            parsed = parse_slot_name(name)
+            slot = self._slots.get(name) if parsed is not None else None
+            hdr = slot.header() if slot is not None else None
+            if hdr is None or not hdr.complete or hdr.rank != parsed[0]:
+                continue
+            if parsed[0] not in newest or newest[parsed[0]][1].seq < hdr.seq:
+                newest[parsed[0]] = (slot, hdr)
+        return [newest[r] for r in sorted(newest)]
+
+    def _send_one(self, buddy: Buddy, slot: Slot, hdr: Any, digest: bytes | None) -> bytes | None:
+        """One transfer; the snapshot's MAC when the buddy kept it, else None."""
+        start = time.monotonic()
+        try:
+            done = send_snapshot(buddy, slot, hdr, self.node, self._key, self.rate, digest)
+        except OSError as exc:
+            self.stats.failed += 1
+            if self._down.get(buddy.node) is None:
+                self._down[buddy.node] = str(exc)
+                self.emit("checkpoint_replica_failed",
+                          f"could not send rank {hdr.rank}'s snapshot of step {hdr.step} to buddy {buddy.node} "
+                          f"({buddy.addr}:{buddy.port}): {exc}; training continues",
+                          severity="warning", rank=hdr.rank,
+                          evidence={"buddy": buddy.node, "step": hdr.step, "error": str(exc)})
+            return None
+        self.stats.seconds += time.monotonic() - start
+        if done is None:
+            self.stats.abandoned += 1
+            return None
+        kept, digest = done
+        self._down.pop(buddy.node, None)
+        self._sent[(buddy.node, hdr.rank)] = hdr.seq
+        # The lag only of snapshots taken while sending: an older one found at the start is no measure.
+        self.stats.kept(kept, time.time() - hdr.time if hdr.time >= self._since else None)
+        if self.stats.snapshots == 1:
+            self.emit("checkpoint_replicated",
+                      f"first snapshot replica sent to buddy {buddy.node}: rank {hdr.rank} step {hdr.step}, {kept} bytes",
+                      rank=hdr.rank, evidence={"buddy": buddy.node, "step": hdr.step, "bytes": kept})
+        return digest
+
+
+def send_snapshot(buddy: Buddy, slot: Slot, hdr: Any, node: str, key: bytes, rate: float = 0,
+                  digest: bytes | None = None) -> tuple[int, bytes] | None:
+    """Stream one slot to a buddy: (bytes sent, the MAC) when the buddy kept it; None when the
+    worker overwrote the slot meanwhile (abandoned). Raises OSError when the buddy cannot be
+    reached or refused it. ``digest``: the MAC of this very snapshot (same seq) computed while it
+    was sent to another buddy; the seqlock check after the last byte proves the bytes unchanged
+    since, so they are not hashed again."""
+    if hdr.data_off + hdr.data_len > slot.size:
+        slot.refresh()
+    head = json.dumps({"node": node, "rank": hdr.rank, "world": hdr.world, "step": hdr.step, "seq": hdr.seq,
+                       "manifest_len": hdr.manifest_len, "data_len": hdr.data_len}).encode()
+    throttle = disk._Throttle(rate)  # the persister's rate cap, reused
+    mac = new_mac(key) if digest is None else None
+    with socket.create_connection((buddy.addr, buddy.port), timeout=IO_TIMEOUT_S) as conn, memoryview(slot.mm) as mv:
+        manifest = mv[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]
+        data = mv[hdr.data_off : hdr.data_off + hdr.data_len]
+        conn.sendall(MAGIC + _LEN.pack(len(head)) + head)
+        if mac is not None:
+            mac.update(head)
+        for part in (manifest, data):
+            for off in range(0, len(part), CHUNK):
+                piece = part[off : off + CHUNK]
+                if mac is not None:
+                    mac.update(piece)  # hashed as sent: the slot is not pinned, so never read it again later
+                conn.sendall(piece)
+                throttle.account(len(piece))
+        del manifest, data
+        # Seqlock: the worker marks the slot WRITING before touching a byte, so an unchanged header
+        # now means every byte sent and hashed above was the snapshot's.
+        now = slot.header()
+        if now is None or not now.complete or now.seq != hdr.seq:
+            conn.sendall(_ABANDON)
+            return None
+        digest = mac.digest() if mac is not None else digest
+        assert digest is not None
+        conn.sendall(_COMMIT + digest)
+        if _recv_exact(conn, 1) != _OK:
+            raise OSError(f"buddy {buddy.node} refused the replica")
+    return len(head) + hdr.manifest_len + hdr.data_len, digest
+
+
+def _open(path: Path) -> Slot | None:
+    try:
+        return Slot.open(path)
+    except (OSError, ValueError):
+        return None
+
+
+def remove_replicas(shm_dir: Path) -> None:
+    shutil.rmtree(Path(shm_dir) / REPLICAS, ignore_errors=True)
+
+
+# --- after a node loss -------------------------------------------------------------------------
+def persist_replicas(replicas_root: Path, ckpt_dir: Path, emit: Callable[..., Any],
+                     trigger: str = "breakpoint") -> list[tuple[str, disk.Persisted]]:
+    """Write every kept replica that is not on disk yet (this exact snapshot: same rank, step and
+    save time) to the checkpoint dir: at a breakpoint, so that after a node loss the survivors'
+    ``load_latest`` finds the lost ranks' shards of the newest step beside their own."""
+    done: list[tuple[str, disk.Persisted]] = []  # (source node, what was written)
+    held: dict[str, dict[str, set[int]]] = {}  # source node -> the ranks and steps its replicas hold here
+    for path, rank in replica_files(replicas_root):
+        slot = _open(path)
+        if slot is None:
+            continue
+        hdr = None
+        try:
+            hdr = slot.header()
+            if hdr is None or not hdr.complete:
+                continue
+            # Seqlock: the server may reuse a displaced replica's file for its next transfer while
+            # this reads it; a whole unchanged header (its save time included) proves it was not.
+            unchanged = functools.partial(_same_header, slot, hdr)
+            with memoryview(slot.mm) as mv:
+                meta = decode_manifest(bytes(mv[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]))
+                if meta.get("rank") != rank or meta.get("step") != hdr.step:
+                    continue
+                mine = held.setdefault(path.parent.name, {"ranks": set(), "steps": set()})
+                mine["ranks"].add(rank)
+                mine["steps"].add(hdr.step)
+                if _on_disk(ckpt_dir, meta):
+                    continue
+                with mv[hdr.data_off : hdr.data_off + hdr.data_len] as data:
+                    done.append((path.parent.name, disk.write_checkpoint(ckpt_dir, meta, data, unchanged)))
+        except disk.SnapshotChanged:
+            continue  # displaced by a newer replica meanwhile
+        except (FormatError, OSError, ValueError) as exc:
+            if hdr is not None and slot.header() != hdr:
+                continue  # displaced mid-read: what was read is no replica's
+            emit("checkpoint_failed", f"could not persist the replica {path.parent.name}/{path.name}: {exc}",
+                 severity="error", evidence={"replica": str(path), "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            slot.close()
+    if held:  # what this node could give each source node back, on disk now either way
+        emit("checkpoint_replicas_held", "snapshot replicas held here: " + "; ".join(
+             f"node {n} rank(s) {sorted(h['ranks'])} step(s) {sorted(h['steps'])}" for n, h in sorted(held.items())),
+             evidence={"trigger": trigger, "nodes": {n: {k: sorted(v) for k, v in h.items()} for n, h in held.items()}})
+    by_node: dict[str, list[disk.Persisted]] = {}
+    for node, p in done:
+        by_node.setdefault(node, []).append(p)
+    for node, items in sorted(by_node.items()):
+        steps = sorted({p.step for p in items})
+        ranks = sorted({p.rank for p in items})
+        emit("checkpoint_persisted",
+             f"replicas of node {node}'s rank(s) {ranks} (step(s) {steps}) kept for it as its buddy persisted to {ckpt_dir}",
+             evidence={"steps": steps, "ranks": ranks, "bytes": sum(p.nbytes for p in items), "dir": str(ckpt_dir),
+                       "trigger": trigger, "source": "replica", "from_node": node})
+    return done
+
+
+def _same_header(slot: Slot, hdr: Any) -> bool:
+    return slot.header() == hdr
+
+
+def _on_disk(ckpt_dir: Path, meta: dict[str, Any]) -> bool:
+    try:
+        theirs = disk.read_manifest(ckpt_dir, int(meta["rank"]), int(meta["step"]))
+    except (FormatError, disk.CorruptCheckpoint):
+        return False
+    return theirs.get("time") == meta.get("time")
