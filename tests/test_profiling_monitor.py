@@ -84,3 +84,39 @@ def rank_lines(run_dir, rank):
     if not d.exists():
         return []
     return [json.loads(line) for f in sorted(d.iterdir()) for line in f.read_text().splitlines()]
+
+
+def test_an_attempt_shorter_than_a_tick_keeps_its_records(tmp_path):
+    """Workers that claim their rings, record and are gone before the background thread's first
+    tick (a fast attempt killed in 90 ms, seen in the full suite): the failure and the stop open
+    the rings and write every record; the failure already knows the steps reached."""
+    mon = ProfilingMonitor(ProfilingSettings(basic=True, comm=False), tick_s=3600)  # the thread never ticks
+    env = mon.worker_env(tmp_path)
+    db = EventStore(tmp_path)
+    ctx = MonitorContext(run_dir=tmp_path, node="nodeA", node_rank=0, nnodes=1, nproc_per_node=2, world_size=2,
+                         restart_count=0, workers=[WorkerInfo(0, 0, os.getpid()), WorkerInfo(1, 1, os.getpid())],
+                         events=EventBus(db, "nodeA"), steps=StepTracker())
+    writers = {r: R.RingWriter(None, r, 1024, flags=int(env["TRAINGUARD_PROFILING_FLAGS"])) for r in (0, 1)}
+    recs = {r: spans.Recorder(w, claim_path=R.ring_path(env["TRAINGUARD_RING_PREFIX"], 0, r)) for r, w in writers.items()}
+    try:
+        mon.on_workers_started(ctx)
+        t = 1_000_000_000
+        for rec in recs.values():
+            rec._step_start = t
+        for _ in range(17):
+            for rec in recs.values():
+                rec.record(R.FP, t, t + 10_000_000)
+                rec.step(now=t + 20_000_000)
+            t += 20_000_000
+        mon.on_workers_failed(ctx, {})
+        assert [s.step for s in ctx.steps.recent(1)] == list(range(1, 18))
+        mon.on_workers_stopped(ctx)
+        for rank in (0, 1):
+            kinds = [x["kind"] for x in rank_lines(tmp_path, rank)]
+            assert (kinds.count("Step"), kinds.count("FP")) == (17, 17), kinds
+    finally:
+        mon.close()
+        for w in writers.values():
+            w.close()
+        db.close()
+    assert not [n for n in os.listdir(R.shm_dir()) if n.startswith(os.path.basename(mon.prefix))]

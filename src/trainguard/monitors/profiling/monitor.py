@@ -157,23 +157,28 @@ class ProfilingMonitor(Monitor):
             self._expected = {w.global_rank: R.ring_path(self.prefix, ctx.restart_count, w.global_rank) for w in ctx.workers}
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict) -> None:
+        self._tick()  # rings the background thread has not opened yet (an attempt shorter than a tick)
         self.poll(ctx)  # the steps the failed attempt reached, for the restart-loop guard
         return None
 
     def on_workers_stopped(self, ctx: MonitorContext) -> None:
+        self._retire_all()
+
+    def _retire_all(self) -> None:
+        """Drain every ring of the attempt, then close them. A ring the background thread has not
+        opened yet is opened now: an attempt can end between two ticks (17 fast steps and a
+        SIGKILL in 90 ms), and its records must still reach the files."""
+        self._tick()  # open what is expected and drain it
         with self._lock:
             self._expected = {}
         self._tick()  # drain what the workers wrote last, then close their rings
-        sweep_rings(self.prefix)  # rings of workers stopped before we opened them
+        sweep_rings(self.prefix)  # rings never claimed (a worker that died before its first step)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        with self._lock:
-            self._expected = {}
-        self._tick()
-        sweep_rings(self.prefix)
+        self._retire_all()
         for rank, req in list(self._held.items()):
             self._end_hold(rank, req, "the job ended")
 
