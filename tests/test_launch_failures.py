@@ -39,6 +39,20 @@ def test_only_lost_peers_here_means_the_cause_is_on_another_node():
     assert list(fs.failures) == [0] and fs.remote and fs.stopped == [1]
 
 
+def test_a_killed_rank_noted_just_after_the_peer_that_lost_it_is_the_first_failure():
+    """Two waiter threads under load note rank 3's SIGKILL 2 ms after rank 2's exit of losing it
+    (seen in the full suite): the cause is here, rank 3, not on another node."""
+    lost = failure(0, 10.0, tail=["step=6 rank=2", PEER_GONE], exit_time=43.490)
+    killed = RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL", timestamp=10.0, exit_time=43.492,
+                         log_tail=("step=6 rank=3",))  # fmt: skip
+    fs = F.order({2: lost, 3: killed})
+    assert list(fs.failures) == [3] and fs.failures[3].first_failure and not fs.remote and fs.stopped == [2]
+    # a signal death long after the loss is not taken for its cause: the cause stays elsewhere
+    later = RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL", timestamp=10.0, exit_time=45.0)
+    fs = F.order({2: lost, 3: later})
+    assert list(fs.failures)[0] == 2 and fs.remote
+
+
 def test_all_collateral_keeps_everything():
     fs = F.order({0: failure(0, 2.0, collateral=True), 1: failure(1, 1.0, collateral=True)})
     assert list(fs.failures) == [1, 0] and fs.stopped == []

@@ -104,11 +104,29 @@ def lost_peer(f: RankFailure) -> bool:
     return classify_text([str(f.message or ""), *f.log_tail[-15:]]).peer_loss
 
 
+# How far apart two exits may be noted out of order. Each worker's exit is timed by its own waiter
+# thread; under load a thread can note a SIGKILLed rank's death milliseconds after the peer that
+# died *of* it (gloo reports a closed connection at once): seen in the full suite, 2 ms.
+EXIT_TIME_SLACK_S = 0.5
+
+
+def _killed_rank_first(failures: dict[int, RankFailure], ranks: list[int]) -> list[int]:
+    """When the first failure only lost its peer and, within the slack, a rank of this node died
+    of a signal (not the agent's: those are collateral), that rank is the first failure: a rank
+    that loses its peer exits through an exception, and nothing else here explains the loss."""
+    if not ranks or not lost_peer(failures[ranks[0]]):
+        return ranks
+    t0 = failures[ranks[0]].when
+    killed = next((r for r in ranks[1:] if failures[r].signal and failures[r].when - t0 <= EXIT_TIME_SLACK_S
+                   and not lost_peer(failures[r])), None)  # fmt: skip
+    return ranks if killed is None else [killed, *(r for r in ranks if r != killed)]
+
+
 def order(everything: dict[int, RankFailure], early: dict[int, RankFailure] | None = None) -> FailureSet:
     """``early``: ranks that exited 0 before the failures (``early_exits``); the first of them is
     the first failure when the first real failure only lost its peer."""
     failures = {r: f for r, f in everything.items() if not f.collateral} or everything
-    ranks = sorted(failures, key=lambda r: failures[r].when)
+    ranks = _killed_rank_first(failures, sorted(failures, key=lambda r: failures[r].when))
     if early and ranks and lost_peer(failures[ranks[0]]):
         first = min(early, key=lambda r: early[r].when)  # it left; its peers then lost it
         failures = {**failures, first: early[first]}
