@@ -108,8 +108,12 @@ STANDBY = "kill-node-standby"  # n4 joins as a standby once the round of three f
 HELD_BACK = (*SHARDED, STANDBY)
 # corrupt-ckpt injects only once a checkpoint is on disk, and the disk lags memory under load (its
 # corruption landed at step 41, the kill at 51, in a --jobs 2 run at load 20): it trains at least
-# this many steps whatever --steps says, so that the job is still training when both land.
+# this many steps whatever --steps says, so that the job is still training when both land. Its
+# steps are padded to CORRUPT_STEP_MS: what the two injections need is time, not steps (each is a
+# `trainguard chaos` process; in a full test-suite run on a quiet VM they took 5 s together, and
+# 100 steps of 50 ms had ended the job before the kill landed).
 CORRUPT_MIN_STEPS = 100
+CORRUPT_STEP_MS = 200
 # Seconds each case took with --jobs 2 --steps 100 (2026-11-25, 2-core VM): the order cases start in
 # with --jobs > 1. net-slow trains its last 85 steps at a quarter of the speed.
 CASE_S = {"kill-node-standby": 40, "kill-buddy-then-node": 62, "kill-node-sharded": 60, "net-slow": 61, "net-cut": 45, "corrupt-ckpt": 39, "store-host-kill": 35, "net-loss": 33, "kill-node": 32,
@@ -398,7 +402,8 @@ def _agent_cmd(node: testbed.Node, fault: str, backend: str, endpoint: str, run:
         "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
         "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
         "--ckpt-shm-dir", str(shm_roots[node.index]), *(["--standby"] if standby else []),
-        str(EXAMPLE), "--steps", str(_steps(fault, args.steps)), "--step-time-ms", "50", "--ckpt", "trainguard", "--ckpt-every", "1",
+        str(EXAMPLE), "--steps", str(_steps(fault, args.steps)),
+        "--step-time-ms", str(CORRUPT_STEP_MS if fault == "corrupt-ckpt" else 50), "--ckpt", "trainguard", "--ckpt-every", "1",
         *(["--hidden", "512"] if fault in HELD_BACK else []), *(["--fsdp"] if fault in SHARDED else []),
     ]  # fmt: skip
 
