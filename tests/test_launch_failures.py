@@ -107,3 +107,20 @@ def test_a_stray_stop_without_the_job_key_is_ignored_and_reported():
         assert mine.news(server, 2, force=True) == PeerLeft("node-b")
     finally:
         del server
+
+
+def test_own_failures_are_those_that_neither_the_agent_stopped_nor_only_lost_a_peer():
+    """FailureSet.own (the restart-loop guard's "failed of its own accord") from what order() found."""
+    killed = RankFailure(local_rank=1, pid=101, exitcode=-9, signal="SIGKILL", timestamp=10.0, exit_time=43.492)
+    cases = [
+        {0: failure(0, 10.0, tail=["step=5", PEER_GONE]), 1: failure(1, 10.5, exit_time=9.0),
+         2: failure(2, 11.0, tail=["ValueError: bad batch"]), 3: failure(3, 12.0, collateral=True)},
+        {0: failure(0, 10.0, tail=[PEER_GONE]), 1: failure(1, 10.2, tail=[PEER_GONE])},
+        {2: failure(0, 10.0, tail=[PEER_GONE], exit_time=43.490), 3: killed},
+        {0: failure(0, 2.0, collateral=True), 1: failure(1, 1.0, collateral=True)},
+    ]  # fmt: skip
+    owns = [F.order(c).own for c in cases]
+    assert owns == [[1, 2], [], [3], []]
+    for c, own in zip(cases, owns, strict=True):  # the same as judging every kept failure again
+        kept = F.order(c).failures
+        assert own == sorted(r for r, f in kept.items() if not f.collateral and not F.lost_peer(f))

@@ -615,7 +615,7 @@ class TrainguardAgent(LocalElasticAgent):
             log.exception("policy failed")
             decision = policy.decide_without_policy(exc)
         else:
-            decision = self._guard_restart_loop(wg, fs.failures, found, decision)
+            decision = self._guard_restart_loop(wg, fs, found, decision)
         self.carry_out(decision)
         return result
 
@@ -661,7 +661,7 @@ class TrainguardAgent(LocalElasticAgent):
             self._history_record(NAN_TRANSIENT, f"a NaN at rank {first.rank} (attempt {first.attempt}) did not come "
                                  f"back in its replay (attempt {self.attempt})")
 
-    def _guard_restart_loop(self, wg: WorkerGroup, fs: dict[int, RankFailure], found: Any, decision: Decision) -> Decision:
+    def _guard_restart_loop(self, wg: WorkerGroup, fs: failures.FailureSet, found: Any, decision: Decision) -> Decision:
         """Record the failed attempt; a restart that would repeat a restart loop becomes the
         policy's loop decision. The guard failing leaves the failure policy's decision standing."""
         try:
@@ -671,16 +671,16 @@ class TrainguardAgent(LocalElasticAgent):
             log.exception("restart-loop guard failed")
             return decision
 
-    def _attempt_record(self, wg: WorkerGroup, fs: dict[int, RankFailure], diagnosis: Any) -> AttemptRecord:
+    def _attempt_record(self, wg: WorkerGroup, fs: failures.FailureSet, diagnosis: Any) -> AttemptRecord:
         """How far the failed attempt got and how it failed, for the restart-loop guard. The step:
         the highest step number the ranks' last log lines print (the job's own numbering, which
         goes on across restarts from a snapshot), else the steps the spans counted this attempt."""
-        step, source = steps_in_logs(fs), "log"
+        step, source = steps_in_logs(fs.failures), "log"
         if step is None:
             step = last_steps(self.steps)
             source = "spans"
-        own = sorted(r for r, f in fs.items() if not f.collateral and not failures.lost_peer(f))
-        return AttemptRecord(self.attempt, self.bus.node, policy.failure_kind(fs, diagnosis), step,
+        own = fs.own  # order() already told which failures only lost a peer
+        return AttemptRecord(self.attempt, self.bus.node, policy.failure_kind(fs.failures, diagnosis), step,
                              source if step is not None else "", bool(own), wg.group_world_size or 1, tuple(own))
 
     def _await_own_stop_signal(self) -> None:

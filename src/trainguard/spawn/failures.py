@@ -30,6 +30,12 @@ class FailureSet:
     stopped: list[int]  # ranks that were only stopped, or only lost their peer
     remote: bool  # even the first failure only lost its peer: the cause is on another node
 
+    @property
+    def own(self) -> list[int]:
+        """Ranks that failed of this node's own accord: not stopped by the agent, and not the first
+        failure when even that one only lost its peer (the others kept never only lost theirs)."""
+        return sorted(r for r, f in self.failures.items() if not f.collateral and not (self.remote and f.first_failure))
+
 
 def collect(result: RunResult, procs: TrainguardPContext | None) -> dict[int, RankFailure]:
     """global rank -> what the failed worker left: exit code, error file, log tail, exit time."""
@@ -110,15 +116,16 @@ def lost_peer(f: RankFailure) -> bool:
 EXIT_TIME_SLACK_S = 0.5
 
 
-def _killed_rank_first(failures: dict[int, RankFailure], ranks: list[int]) -> list[int]:
+def _killed_rank_first(failures: dict[int, RankFailure], ranks: list[int], lost: dict[int, bool]) -> list[int]:
     """When the first failure only lost its peer and, within the slack, a rank of this node died
     of a signal (not the agent's: those are collateral), that rank is the first failure: a rank
-    that loses its peer exits through an exception, and nothing else here explains the loss."""
-    if not ranks or not lost_peer(failures[ranks[0]]):
+    that loses its peer exits through an exception, and nothing else here explains the loss.
+    ``lost``: rank -> whether its failure only lost a peer."""
+    if not ranks or not lost[ranks[0]]:
         return ranks
     t0 = failures[ranks[0]].when
     killed = next((r for r in ranks[1:] if failures[r].signal and failures[r].when - t0 <= EXIT_TIME_SLACK_S
-                   and not lost_peer(failures[r])), None)  # fmt: skip
+                   and not lost[r]), None)  # fmt: skip
     return ranks if killed is None else [killed, *(r for r in ranks if r != killed)]
 
 
@@ -126,19 +133,21 @@ def order(everything: dict[int, RankFailure], early: dict[int, RankFailure] | No
     """``early``: ranks that exited 0 before the failures (``early_exits``); the first of them is
     the first failure when the first real failure only lost its peer."""
     failures = {r: f for r, f in everything.items() if not f.collateral} or everything
-    ranks = _killed_rank_first(failures, sorted(failures, key=lambda r: failures[r].when))
-    if early and ranks and lost_peer(failures[ranks[0]]):
+    lost = {r: lost_peer(f) for r, f in failures.items()}  # each failure's lines scanned once
+    ranks = _killed_rank_first(failures, sorted(failures, key=lambda r: failures[r].when), lost)
+    if early and ranks and lost[ranks[0]]:
         first = min(early, key=lambda r: early[r].when)  # it left; its peers then lost it
         failures = {**failures, first: early[first]}
         everything = {**everything, first: early[first]}
+        lost[first] = lost_peer(early[first])
         ranks = [first, *ranks]
     # After the first failure, ranks that died of losing their peer are its consequence.
-    ranks = ranks[:1] + [r for r in ranks[1:] if not lost_peer(failures[r])]
+    ranks = ranks[:1] + [r for r in ranks[1:] if not lost[r]]
     kept = {r: replace(failures[r], first_failure=i == 0) for i, r in enumerate(ranks)}
     return FailureSet(
         failures=kept,
         stopped=sorted(set(everything) - set(kept)),
-        remote=bool(ranks) and lost_peer(kept[ranks[0]]),
+        remote=bool(ranks) and lost[ranks[0]],
     )
 
 
