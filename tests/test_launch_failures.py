@@ -53,6 +53,20 @@ def test_a_killed_rank_noted_just_after_the_peer_that_lost_it_is_the_first_failu
     assert list(fs.failures)[0] == 2 and fs.remote
 
 
+def test_a_rank_that_raised_noted_just_after_the_peer_that_lost_it_is_the_first_failure():
+    """The same race with an exception (seen in a full-suite run of .ci/run): rank 1 raised
+    ValueError, rank 0 lost it, and rank 0's exit was noted 6 ms earlier. The cause is rank 1,
+    here: not "a peer on another node" on a single-node job."""
+    lost = failure(0, 10.0, tail=["step=3 rank=0", PEER_GONE], exit_time=40.9071)
+    raised = failure(1, 10.0, tail=["ValueError: bad batch shape"], exit_time=40.9133)
+    fs = F.order({0: lost, 1: raised})
+    assert list(fs.failures) == [1] and fs.failures[1].first_failure and not fs.remote and fs.stopped == [0]
+    assert fs.own == [1]
+    # past the slack, the times order them again: the peer loss came first, its cause elsewhere
+    fs = F.order({0: lost, 1: failure(1, 10.0, tail=["ValueError: bad batch shape"], exit_time=42.0)})
+    assert list(fs.failures) == [0, 1] and fs.remote
+
+
 def test_all_collateral_keeps_everything():
     fs = F.order({0: failure(0, 2.0, collateral=True), 1: failure(1, 1.0, collateral=True)})
     assert list(fs.failures) == [1, 0] and fs.stopped == []

@@ -111,22 +111,23 @@ def lost_peer(f: RankFailure) -> bool:
 
 
 # How far apart two exits may be noted out of order. Each worker's exit is timed by its own waiter
-# thread; under load a thread can note a SIGKILLed rank's death milliseconds after the peer that
-# died *of* it (gloo reports a closed connection at once): seen in the full suite, 2 ms.
+# thread; under load a thread can note a rank's death milliseconds after the peer that died *of*
+# it (gloo reports a closed connection at once). Seen in full-suite runs: a SIGKILLed rank noted
+# 2 ms after, and a rank that raised ValueError 6 ms after, the peer that lost it.
 EXIT_TIME_SLACK_S = 0.5
 
 
-def _killed_rank_first(failures: dict[int, RankFailure], ranks: list[int], lost: dict[int, bool]) -> list[int]:
-    """When the first failure only lost its peer and, within the slack, a rank of this node died
-    of a signal (not the agent's: those are collateral), that rank is the first failure: a rank
-    that loses its peer exits through an exception, and nothing else here explains the loss.
-    ``lost``: rank -> whether its failure only lost a peer."""
+def _own_failure_first(failures: dict[int, RankFailure], ranks: list[int], lost: dict[int, bool]) -> list[int]:
+    """Within the slack the exit times cannot order two failures; what they say can. When the
+    first failure only lost its peer and, within the slack, a rank of this node failed of its own
+    accord (a signal, its own exception; the agent's stops are collateral, already left out), that
+    rank is the first failure: its failure explains the peer loss, a peer loss explains nothing
+    here. ``lost``: rank -> whether its failure only lost a peer."""
     if not ranks or not lost[ranks[0]]:
         return ranks
     t0 = failures[ranks[0]].when
-    killed = next((r for r in ranks[1:] if failures[r].signal and failures[r].when - t0 <= EXIT_TIME_SLACK_S
-                   and not lost[r]), None)  # fmt: skip
-    return ranks if killed is None else [killed, *(r for r in ranks if r != killed)]
+    own = next((r for r in ranks[1:] if not lost[r] and failures[r].when - t0 <= EXIT_TIME_SLACK_S), None)
+    return ranks if own is None else [own, *(r for r in ranks if r != own)]
 
 
 def order(everything: dict[int, RankFailure], early: dict[int, RankFailure] | None = None) -> FailureSet:
@@ -134,7 +135,7 @@ def order(everything: dict[int, RankFailure], early: dict[int, RankFailure] | No
     the first failure when the first real failure only lost its peer."""
     failures = {r: f for r, f in everything.items() if not f.collateral} or everything
     lost = {r: lost_peer(f) for r, f in failures.items()}  # each failure's lines scanned once
-    ranks = _killed_rank_first(failures, sorted(failures, key=lambda r: failures[r].when), lost)
+    ranks = _own_failure_first(failures, sorted(failures, key=lambda r: failures[r].when), lost)
     if early and ranks and lost[ranks[0]]:
         first = min(early, key=lambda r: early[r].when)  # it left; its peers then lost it
         failures = {**failures, first: early[first]}
