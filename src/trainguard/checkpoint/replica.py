@@ -13,7 +13,7 @@ each one proves the bytes unchanged).
 
 Frame: ``MAGIC``, the header's length, the header (JSON: source node, rank, world size, step, seq,
 manifest and data lengths), the manifest, the data, then one byte: 1 = commit, followed by the
-HMAC-SHA256 under the job's key (``cluster.stores.JobKey``) over header, manifest and data;
+keyed BLAKE3 MAC under the job's key (``cluster.stores.JobKey``) over header, manifest and data;
 0 = abandoned (the worker overwrote the slot meanwhile). The receiver answers one byte.
 
 Receiver (``ReplicaServer``, one thread, at the sender's priority: on a job it competes with its
@@ -37,7 +37,6 @@ old rank's shard of the newest step and reshards it.
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import json
 import logging
@@ -54,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.format import FormatError, decode_manifest
 from trainguard.checkpoint.persist import _set_background_priority
@@ -61,7 +62,7 @@ from trainguard.checkpoint.shm import Slot, SlotCache, parse_slot_name, payload_
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TGREPL01"
+MAGIC = b"TGREPL02"  # 02: the MAC is keyed BLAKE3 (01 was HMAC-SHA256)
 _LEN = struct.Struct("<I")
 MAX_HEADER = 16 << 10
 MAC_LEN = 32
@@ -80,9 +81,17 @@ class Refused(Exception):
     """A transfer the receiver does not keep (malformed, unsigned, bad MAC): one line says why."""
 
 
-def new_mac(key: bytes) -> hmac.HMAC:
-    """The replica MAC, domain-separated from the job key's other uses; fed as the bytes go by."""
-    return hmac.new(key, b"trainguard-replica\0", hashlib.sha256)
+def new_mac(key: bytes) -> Any:
+    """The replica MAC, fed as the bytes go by: keyed BLAKE3, a PRF like HMAC-SHA256 but about five
+    times less CPU per byte (5.8 against 1.2 GB/s on one core here), which both the sending and the
+    receiving agent spend on every snapshot while the training wants the cores. Its key is derived
+    from ``key`` in BLAKE3's key-derivation mode, domain-separated from the job key's other uses."""
+    return blake3.blake3(key=_mac_key(key))
+
+
+@functools.lru_cache(maxsize=8)
+def _mac_key(key: bytes) -> bytes:
+    return blake3.blake3(key, derive_key_context="trainguard 2026-11 checkpoint replica MAC").digest()
 
 
 @dataclass(frozen=True)
@@ -304,7 +313,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_into(conn: socket.socket, mv: memoryview, mac: hmac.HMAC | None = None) -> None:
+def _recv_into(conn: socket.socket, mv: memoryview, mac: Any = None) -> None:
     """Fill ``mv`` from the connection; ``mac`` is fed each CHUNK as it arrives (still in the CPU's
     cache, rather than the whole snapshot read back from memory afterwards)."""
     got = hashed = 0
