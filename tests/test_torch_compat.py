@@ -318,3 +318,49 @@ def test_a_node_beyond_max_waits_on_DynamicRendezvousHandler_redundancy_list():
         assert ended and isinstance(ended[0], RendezvousGracefulExitError), ended
     finally:
         job.shutdown()
+
+
+def test_a_full_round_with_a_node_left_on_the_wait_list_restarts_nothing():
+    """torch's agent restarts a healthy group whenever ``num_nodes_waiting() > 0``. A node that came
+    while a round had a free place is on the wait list and stays there when the next round fills
+    without it; with more live nodes than --nnodes MAX (a standby, a lost node come back) the job
+    then restarted every 2 s for good (bench/soak.py, 2026-11-28). no_restart_for_a_full_round
+    answers 0 while the round is full, and the count again once a place is free."""
+    import threading
+    from datetime import UTC, datetime
+
+    from tgtest import wait_for
+
+    from trainguard.cluster.stores import bound_store
+
+    server = bound_store("127.0.0.1", multi_tenant=True)
+    params = dict(backend="c10d", endpoint=f"127.0.0.1:{server.port}", run_id=f"full-{next(_ids)}", min_nodes=2,
+                  max_nodes=2, join_timeout=60, last_call_timeout=1, is_host=False)  # fmt: skip
+    a, b, c = (rdzv_registry.get_rendezvous_handler(RendezvousParameters(**params)) for _ in range(3))
+    try:
+        joiner = threading.Thread(target=b.next_rendezvous, daemon=True)
+        joiner.start()
+        a.next_rendezvous()
+        joiner.join(timeout=60)
+        assert C.rendezvous_round(a) == (False, True, 2, 2)
+        torch_waiting = a.num_nodes_waiting
+        # The state the race leaves: the round full, c still on the wait list from when it had a place.
+        with a._heartbeat_lock:
+            holder = a._state_holder
+            holder.sync()
+            holder.state.wait_list.add(c._this_node)
+            holder.state.last_heartbeats[c._this_node] = datetime.now(UTC)
+            holder.mark_dirty()
+            holder.sync()
+        assert torch_waiting() == 1, "torch no longer counts the wait list of a full round (the shim may go)"
+        C.no_restart_for_a_full_round(a)
+        assert a.num_nodes_waiting() == 0  # nobody can be admitted: no restart
+        assert C.leave_rendezvous(b)  # b leaves (a restart's first step): a place is free
+        # (a's view of the store is cached for up to a second)
+        wait_for(lambda: C.rendezvous_round(a) == (False, True, 1, 2), what="a to see b gone")
+        assert a.num_nodes_waiting() == 1  # now the waiting node is worth a new round
+        C.no_restart_for_a_full_round(object())  # other handlers: left alone, no error
+    finally:
+        for h in (a, b, c):
+            h.shutdown()
+        del server

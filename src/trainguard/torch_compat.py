@@ -236,6 +236,38 @@ def rendezvous_standbys(handler: Any) -> int:
         return len(state.redundancy_list) + len(state.wait_list)
 
 
+def no_restart_for_a_full_round(handler: Any) -> None:
+    """Make a dynamic rendezvous' ``num_nodes_waiting()`` answer 0 while the round holds --nnodes
+    MAX participants: no waiting node can be admitted then, and a restart for it only reshuffles
+    which node is left out.
+
+    Why: torch's agent restarts a healthy group whenever a node is on the wait list. A node lands
+    there while a round has a free place (a participant leaving for a restart) and stays there
+    when the next round fills without it; it never moves to the redundancy list. With more live
+    nodes than MAX (a warm standby, a lost node that came back), every round then leaves one node
+    on the wait list, and the job restarted every 2 s for good (bench/soak.py's standby row after
+    a hang restart, 2026-11-28). A place that frees (a node lost, a participant leaving) makes
+    the count visible again, and the waiting node joins the next round. Other handlers (etcd-v2,
+    static) are left as they are."""
+    holder = getattr(handler, "_state_holder", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    settings = getattr(handler, "_settings", None)
+    waiting = getattr(handler, "num_nodes_waiting", None)
+    if holder is None or lock is None or settings is None or waiting is None:
+        return
+
+    def num_nodes_waiting() -> int:
+        n = waiting()  # syncs the state from the store
+        if n == 0:
+            return 0
+        with lock:
+            state = holder.state
+            full = bool(state.complete) and len(state.participants) >= int(settings.max_nodes)
+        return 0 if full else n
+
+    handler.num_nodes_waiting = num_nodes_waiting
+
+
 def set_last_call(handler: Any, seconds: float | None) -> float | None:
     """Set a dynamic rendezvous' last-call wait (how long a round that reached --nnodes MIN waits
     for more nodes) for the rounds that follow; returns the previous value in seconds (None: the

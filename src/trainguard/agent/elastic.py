@@ -138,6 +138,7 @@ class TrainguardAgent(LocalElasticAgent):
         # torch's per-round shared store (unused by our workers) would listen on every interface
         torch_compat.bind_rendezvous_shared_store(spec.rdzv_handler, lambda addr, port: bound_store(self.advertise_addr, port))
         torch_compat.cheap_rendezvous_records()  # a restart's rendezvous round in ms, not tens of ms
+        torch_compat.no_restart_for_a_full_round(spec.rdzv_handler)  # standbys: no restart loop
         self.steps = StepTracker()
         self.attempt = -1  # every (re)start, membership changes included; numbered across the run dir's runs
         self.run_info: runs.RunInfo | None = None  # this run of the run dir (see cluster/runs.py)
