@@ -130,6 +130,18 @@ def list_steps(ckpt_dir: Path, rank: int) -> list[int]:
     return [s for s in all_steps(ckpt_dir) if (step_dir(ckpt_dir, s) / manifest_name(rank)).is_file()]
 
 
+def newer_on_disk(ckpt_dir: Path, rank: int, step: int) -> bool:
+    """Whether ``rank`` has a committed checkpoint of a later step than ``step`` on disk.
+
+    What writes a snapshot out of band (a dead owner's rescued snapshots, a buddy's replicas at a
+    breakpoint) skips it then: pruning keeps the most recently *persisted* checkpoints (that is
+    how an abandoned timeline's higher steps go after a rollback), so writing an older step would
+    count as the newest and prune the later ones. The soak bench (2026-11-28) saw exactly that: a
+    standby's rescue of its own stale step 342 and a buddy's replicas of 204 and 343 pruned rank 2's
+    steps 589-591, and the job resumed from step 0."""
+    return any(s > step for s in list_steps(ckpt_dir, rank))
+
+
 def ranks_at(ckpt_dir: Path, step: int) -> list[int]:
     """Ranks with a committed manifest at ``step``, ascending."""
     try:

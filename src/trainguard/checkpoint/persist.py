@@ -119,12 +119,13 @@ class Persister:
         """Persist every rank's newest complete snapshot not yet on disk; relay worker reports.
         ``every_slot`` (at a breakpoint): also the older complete snapshot of each rank, so that the
         step all ranks agree on after a failure is on disk even if one rank got a step further.
-        ``skip_on_disk``: leave out snapshots whose exact copy is already committed on disk."""
+        ``skip_on_disk`` (a rescue): leave out snapshots whose exact copy is already committed on
+        disk, and those older than a step of their rank on disk (disk.newer_on_disk says why)."""
         with self._lock:
             self._relay_reports()
             done = []
             for rank, slot, hdr in self._pending(retry_failed, every_slot):
-                if skip_on_disk and self._on_disk(rank, slot, hdr):
+                if skip_on_disk and (self._on_disk(rank, slot, hdr) or disk.newer_on_disk(self.ckpt_dir, rank, hdr.step)):
                     continue
                 result = self._persist_one(rank, slot, hdr)
                 if background:

@@ -537,7 +537,8 @@ def remove_replicas(shm_dir: Path) -> None:
 def persist_replicas(replicas_root: Path, ckpt_dir: Path, emit: Callable[..., Any],
                      trigger: str = "breakpoint") -> list[tuple[str, disk.Persisted]]:
     """Write every kept replica that is not on disk yet (this exact snapshot: same rank, step and
-    save time) to the checkpoint dir: at a breakpoint, so that after a node loss the survivors'
+    save time) and is not older than a step of its rank on disk (disk.newer_on_disk) to the
+    checkpoint dir: at a breakpoint, so that after a node loss the survivors'
     ``load_latest`` finds the lost ranks' shards of the newest step beside their own."""
     done: list[tuple[str, disk.Persisted]] = []  # (source node, what was written)
     held: dict[str, dict[str, set[int]]] = {}  # source node -> the ranks and steps its replicas hold here
@@ -560,8 +561,8 @@ def persist_replicas(replicas_root: Path, ckpt_dir: Path, emit: Callable[..., An
                 mine = held.setdefault(path.parent.name, {"ranks": set(), "steps": set()})
                 mine["ranks"].add(rank)
                 mine["steps"].add(hdr.step)
-                if _on_disk(ckpt_dir, meta):
-                    continue
+                if _on_disk(ckpt_dir, meta) or disk.newer_on_disk(ckpt_dir, rank, hdr.step):
+                    continue  # there already, or stale (a replica from the source's earlier role)
                 with mv[hdr.data_off : hdr.data_off + hdr.data_len] as data:
                     done.append((path.parent.name, disk.write_checkpoint(ckpt_dir, meta, data, unchanged)))
         except disk.SnapshotChanged:
