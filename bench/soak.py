@@ -22,6 +22,11 @@ on Ctrl-C.
 
     python bench/soak.py --minutes 20                       # root: network namespaces
     python bench/soak.py --minutes 3 --mean-interval-s 30 --tools trainguard
+    python bench/soak.py --tools trainguard,trainguard-standby,torchrun   # + a row with a warm standby
+
+The trainguard-standby row adds a fourth node started with `--standby` (it joins once the round of
+three formed and takes a lost node's place, so the world stays 3); a fault the schedule names for a
+node that is the spare by then hits the node holding its place (_in_place_of).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from soak_accounting import Breakdown, Fault, Step, account, healthy_step, sched
 
 from trainguard.chaos import testbed  # noqa: E402
 from trainguard.chaos.cli import ChaosError, add_arguments, inject_into  # noqa: E402
-from trainguard.chaos.targets import Target, TargetError, resolve  # noqa: E402
+from trainguard.chaos.targets import Target, TargetError, nodes, resolve  # noqa: E402
+from trainguard.probes import identity  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 STEP = re.compile(r"\bstep=(\d+) rank=0 t=([\d.]+) .*\bworld=(\d+)")
@@ -65,6 +71,11 @@ DISK_FULL_S = 30.0
 BACK_S = 120.0  # a node back whose agent is still leaving: its agent is started when it has left, within this
 LASTING_S = {"straggler": STRAGGLER_S, "disk-full": DISK_FULL_S}  # a stall that begins meanwhile is theirs
 TOOLS = ("trainguard", "torchrun")
+# Not a default row: trainguard with one warm standby node (a fourth namespace, `--standby`), which
+# keeps the world at 3 nodes while one is down (the default row's largest loss is the shrunk world).
+STANDBY_TOOL = "trainguard-standby"
+NAMED = ("n1", "n2", "n3")  # the nodes the schedule names (soak_accounting.NODES)
+SPARE_AFTER_S = 10.0  # standby row: a named node without workers this long into a fault's retries is the spare
 STOP = threading.Event()  # Ctrl-C / SIGTERM: every run stops and cleans up
 
 
@@ -141,9 +152,18 @@ class Run:
     holders: dict[str, int] = field(default_factory=dict)  # node -> pid of its net-cut's holder
     shm: dict[str, Path] = field(default_factory=dict)  # node -> its own tmpfs dir for snapshots
     done: list[tuple[Fault, float, str]] = field(default_factory=list)  # (fault, injected at, note)
+    hit: dict[str, str] = field(default_factory=dict)  # standby row: a node fault's named node -> the node it hit
     t0: float = 0.0
     t_end: float = 0.0
     wedged: str = ""
+
+    @property
+    def guarded(self) -> bool:
+        return self.tool != "torchrun"
+
+    @property
+    def standby(self) -> int:
+        return 1 if self.tool == STANDBY_TOOL else 0
 
     @property
     def run_dir(self) -> Path:
@@ -163,9 +183,10 @@ def _command(run: Run, node: testbed.Node, store: str) -> list[str]:
            str(run.args.hidden), "--hang-file", str(run.flag(name))]  # fmt: skip
     common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store,
               "--rdzv-id", "soak", "--max-restarts", str(run.args.max_restarts)]  # fmt: skip
-    if run.tool == "trainguard":
+    if run.guarded:
+        spare = ["--standby"] if node.index > len(NAMED) else []
         return [*node.exec_prefix(), sys.executable, "-m", "trainguard", "run", *common, "--run-dir", str(run.run_dir),
-                "--node-name", name, "--ckpt-dir", str(run.ckpt), "--ckpt-shm-dir", str(run.shm[name]),
+                "--node-name", name, "--ckpt-dir", str(run.ckpt), "--ckpt-shm-dir", str(run.shm[name]), *spare,
                 *job, "--ckpt", "trainguard", "--ckpt-every", "1"]  # fmt: skip
     # torchrun decides whether it hosts the c10d store, and which address its workers' store has,
     # by its host name, which a namespace's address is not: it is told (trainguard finds out itself).
@@ -183,7 +204,7 @@ def _chaos(run: Run, t: Target, fault: str, *extra: str) -> dict:
 def _target(run: Run, node: str, worker: bool) -> Target:
     """The node's agent and worker: trainguard's from its run dir (identity-checked), torchrun's
     from the launcher's process tree (the worker: the child running the training script)."""
-    if run.tool == "trainguard":
+    if run.guarded:
         t = resolve(run.run_dir, node=node)
         if not worker:
             return t
@@ -201,7 +222,28 @@ def _target(run: Run, node: str, worker: bool) -> Target:
     raise TargetError(f"no live worker on {node}")
 
 
+def _in_place_of(run: Run, node: str, late: bool) -> str:
+    """The node that holds ``node``'s place in the job. Without a standby, ``node``. With one, the
+    schedule's node may be the spare by now (it was lost, a standby took its place, and it came back
+    as the new standby): a fault named for it hits the training node the schedule does not name
+    (the promoted standby), so that both trainguard rows see the same faults acting on training.
+    A node between two attempts trains nothing for a moment too: only ``late`` (after SPARE_AFTER_S
+    of retries) is a node without workers taken for the spare."""
+    if not run.standby:
+        return node
+    training = set()
+    for name, state in nodes(run.run_dir).items():
+        if state.pids and identity.why_not(state.identity, state.pids) is None:
+            training.add(name)
+    if node in training:
+        return node
+    if not late:
+        raise TargetError(f"{node} trains nothing now (restarting, or the spare)")
+    return next(iter(sorted(training - set(NAMED))), node)
+
+
 def _node_back(run: Run, node: str) -> str:
+    node = run.hit.pop(node, node)  # the standby row: the node its loss hit
     holder = run.holders.pop(node, None)
     if holder is not None:  # the cut's holder reverts it (link up) on SIGTERM
         with contextlib.suppress(psutil.Error):
@@ -217,14 +259,16 @@ def _node_back(run: Run, node: str) -> str:
     return ("link up; " if holder else "") + "launcher started again"
 
 
-def _inject(run: Run, f: Fault) -> str:
+def _inject(run: Run, f: Fault, late: bool = False) -> str:
     if f.kind == "node-back":
         return _node_back(run, f.node)
+    node = _in_place_of(run, f.node, late) if f.kind != "disk-full" else f.node
+    instead = f" (in {f.node}'s place)" if node != f.node else ""
     if f.kind == "sleep-hang":
-        run.flag(f.node).touch()
-        return "hang file placed"
+        run.flag(node).touch()
+        return "hang file placed" + instead
     worker = f.kind in ("worker-kill", "sigstop", "straggler")
-    t = _target(run, f.node, worker)
+    t = _target(run, node, worker)
     if f.kind == "worker-kill":
         d = _chaos(run, t, "kill", "--what", "worker")
     elif f.kind == "sigstop":
@@ -236,24 +280,27 @@ def _inject(run: Run, f: Fault) -> str:
             run, t, "fill-disk", "--path", str(run.ckpt), "--duration", f"{DISK_FULL_S:g}", "--size-mb", "64"
         )
     elif f.kind == "node-kill":
-        run.launchers[f.node].up = False  # no restart loop brings a dead node back
+        run.launchers[node].up = False  # no restart loop brings a dead node back
         d = _chaos(run, t, "kill", "--what", "node")
     else:  # net-cut, held until the node comes back (bounded by the run's length)
         d = _chaos(run, t, "net-cut", "--duration", f"{run.args.minutes * 60 + 120:g}")
-        run.holders[f.node] = d["holder"]
+        run.holders[node] = d["holder"]
+    if f.kind in ("node-kill", "net-cut"):
+        run.hit[f.node] = node
     if f.kind == "disk-full":
         return "the checkpoint disk (a 48 MB tmpfs) filled"
     if "pids" in d and not d["pids"]:  # chaos skips a pid that is gone: say so, not "done"
         raise TargetError(f"no process signalled: {f.node}'s pids {sorted(t.workers.values())} are gone")
-    return f"rank {t.rank}" if t.rank is not None else f"{f.node}'s processes {d.get('pids', '')}".strip()
+    return (f"rank {t.rank} on {node}" if t.rank is not None else f"{node}'s processes {d.get('pids', '')}".strip()) + instead
 
 
 def _inject_retrying(run: Run, f: Fault) -> str:
     """A target may be between two workers (a restart): try again for a while, then skip."""
-    end = time.monotonic() + 15
+    start = time.monotonic()
+    end = start + 15
     while True:
         try:
-            return _inject(run, f)
+            return _inject(run, f, late=time.monotonic() > start + SPARE_AFTER_S)
         except (TargetError, ChaosError, psutil.Error, OSError) as exc:
             if time.monotonic() > end or STOP.is_set():
                 return f"skipped: {exc}"
@@ -282,7 +329,7 @@ def _supervise(run: Run, deadline: float) -> None:
             at = time.time()
             run.done.append((f, at, _inject_retrying(run, f)))
         for la in run.launchers.values():  # torchrun's restart loops; a node back whose agent was leaving
-            if la.up and not la.running() and (run.tool == "torchrun" or now < la.back_until):
+            if la.up and not la.running() and (not run.guarded or now < la.back_until):
                 la.back_until = 0.0
                 la.start()
         if now - checked > 5:
@@ -309,7 +356,7 @@ def execute(run: Run) -> Run:
     )
     bed = None
     try:
-        bed = testbed.Testbed(3)
+        bed = testbed.Testbed(len(NAMED) + run.standby)
         store = f"{bed.nodes[0].addr}:29400"
         for node in bed.nodes:
             name = f"n{node.index}"
@@ -525,7 +572,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="torchrun row: the process group's timeout in s (default 120; gloo's own is 1800)")  # fmt: skip
     p.add_argument("--wedge-s", type=float, default=300.0, help="a run with no new step this long is wedged")
-    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--tools", default=",".join(TOOLS),
+                   help=f"rows, from {', '.join((*TOOLS, STANDBY_TOOL))} (default: {','.join(TOOLS)})")
     p.add_argument(
         "--parallel",
         action="store_true",
@@ -537,14 +585,22 @@ def main() -> int:
         "--max-restarts", type=int, default=100, help="both rows (torchrun's and trainguard's default: 0)"
     )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak")
+    p.add_argument("--work", type=Path, default=None,
+                   help="keep the runs' dirs (run dir, logs) here, a new directory (default: a temp dir, removed)")
     args = p.parse_args()
     tools = [t for t in args.tools.split(",") if t]
-    if why := testbed.available() or ([t for t in tools if t not in TOOLS] and f"unknown tools {tools}"):
+    if why := testbed.available() or ([t for t in tools if t not in (*TOOLS, STANDBY_TOOL)] and f"unknown tools {tools}"):
         print(f"soak.py: error: {why}", file=sys.stderr)
         return 2
     if args.minutes <= 0 or args.mean_interval_s <= 0 or args.timeout <= 0:
         print("soak.py: error: --minutes, --mean-interval-s and --timeout must be positive", file=sys.stderr)
         return 2
+    if args.work is not None:
+        try:
+            args.work.mkdir(parents=True)
+        except OSError as exc:
+            print(f"soak.py: error: --work {args.work}: {exc.strerror or exc} (give a new directory)", file=sys.stderr)
+            return 2
     faults = schedule(args.seed, args.minutes, args.mean_interval_s)
     print(f"soak: {args.minutes:g} min, seed {args.seed}, one fault per {args.mean_interval_s:g} s on average: "
           f"{len(faults)} faults; rows {', '.join(tools)} {'side by side' if args.parallel else 'one after the other'}; "
@@ -552,7 +608,8 @@ def main() -> int:
     for f in faults:
         print(f"  {f.at:7.1f}s {f.kind:<11} {f.node}")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    with tempfile.TemporaryDirectory(prefix="tgsoak-") as tmp:
+    keep = args.work is not None
+    with contextlib.nullcontext(str(args.work)) if keep else tempfile.TemporaryDirectory(prefix="tgsoak-") as tmp:
         work = Path(tmp)
         every = _ckpt_every(args, work) if "torchrun" in tools else 1
         runs = [Run(t, args, work / t, faults, ckpt_every=every) for t in tools]
@@ -569,7 +626,7 @@ def main() -> int:
         report(res)
     print()
     for res in results:
-        print(f"{res.run.tool:<11} ETTR {res.bd.ettr:.3f}  new steps {res.bd.steps}  healthy step {res.h * 1000:.1f} ms"
+        print(f"{res.run.tool:<18} ETTR {res.bd.ettr:.3f}  new steps {res.bd.steps}  healthy step {res.h * 1000:.1f} ms"
               f"  wall {res.bd.wall:.0f} s{'  WEDGED' if res.run.wedged else ''}")  # fmt: skip
     print("wrote " + ", ".join(write_outputs(results, args.out)))
     return 1 if STOP.is_set() or any(r.run.wedged for r in results) else 0
