@@ -24,10 +24,10 @@ def _state(step: int) -> dict:
     return {"w": torch.full((64,), float(step)), "step": step}
 
 
-def _persisted(ckpt: Path, shm_root: Path, steps: list[int]) -> None:
-    """Rank 0's checkpoints of ``steps`` on disk, written as the agent writes them (keep 3)."""
+def _persisted(ckpt: Path, shm_root: Path, steps: list[int], rank: int = 0, world: int = 1) -> None:
+    """A rank's checkpoints of ``steps`` on disk, written as the agent writes them (keep 3)."""
     shm = make_shm_dir(shm_root)
-    worker = Checkpointer(shm, ckpt, 0, 1)
+    worker = Checkpointer(shm, ckpt, rank, world)
     persister = Persister(shm, ckpt, 3, lambda *a, **k: None, idle_priority=False)
     try:
         for step in steps:
@@ -40,9 +40,9 @@ def _persisted(ckpt: Path, shm_root: Path, steps: list[int]) -> None:
         release_shm_dir(shm)
 
 
-def _in_memory(shm: Path, ckpt: Path, steps: list[int]) -> None:
+def _in_memory(shm: Path, ckpt: Path, steps: list[int], rank: int = 0, world: int = 1) -> None:
     """Snapshots of ``steps`` in the slots under ``shm``, left there (their process is gone)."""
-    worker = Checkpointer(shm, ckpt, 0, 1, nslots=2)
+    worker = Checkpointer(shm, ckpt, rank, world, nslots=2)
     for step in steps:
         worker.save(_state(step), step)
     worker.wait()
@@ -94,3 +94,31 @@ def test_a_buddys_older_replicas_are_not_persisted_over_newer_steps(tmp_path, sh
     assert sorted(p.step for _, p in persist_replicas(held / "replicas", ckpt, lambda *a, **k: None)) == [11, 12]
     assert _resumes_from(ckpt, shm_root) == 12
     release_shm_dir(held)
+
+
+def test_a_replica_older_than_a_partial_step_is_persisted(tmp_path, shm_root):
+    """Only a complete later step makes a replica stale. Three ranks, nodes n1 (rank 0) and n3
+    (rank 2) lost: the survivor holds n1's replica of step 16 only, and rank 2's 17 is already on
+    disk, so 16 is the newest step every shard of which exists. Skipping rank 2's 16 for the partial
+    17 made bench/faults.py's kill-buddy-then-node fall back 8 steps to disk (2026-11-28)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _persisted(ckpt, shm_root, [16, 17], rank=1, world=3)  # the survivor's own rank
+    _persisted(ckpt, shm_root, [16], rank=0, world=3)  # n1's replica, written just before
+    _persisted(ckpt, shm_root, [17], rank=2, world=3)  # n3's newest, on disk
+    assert not disk.complete(ckpt, 17, 1) and not disk.complete(ckpt, 16, 1)
+    held = make_shm_dir(shm_root)
+    node = held / "replicas" / "n3"
+    node.mkdir(parents=True)
+    _in_memory(node, ckpt, [16], rank=2, world=3)
+    written = persist_replicas(held / "replicas", ckpt, lambda *a, **k: None)
+    assert [(src, p.step) for src, p in written] == [("n3", 16)]
+    assert disk.complete(ckpt, 16, 0) and disk.complete(ckpt, 16, 2)
+
+    _persisted(ckpt, shm_root, [17], rank=0, world=3)  # now 17 is complete: an older replica is stale
+    again = make_shm_dir(shm_root)
+    (again / "replicas" / "n3").mkdir(parents=True)
+    _in_memory(again / "replicas" / "n3", ckpt, [15], rank=2, world=3)
+    assert persist_replicas(again / "replicas", ckpt, lambda *a, **k: None) == []
+    release_shm_dir(held)
+    release_shm_dir(again)

@@ -131,15 +131,31 @@ def list_steps(ckpt_dir: Path, rank: int) -> list[int]:
 
 
 def newer_on_disk(ckpt_dir: Path, rank: int, step: int) -> bool:
-    """Whether ``rank`` has a committed checkpoint of a later step than ``step`` on disk.
+    """Whether a later step than ``step`` is complete on disk (every rank of its world committed,
+    ``rank`` among them): a resume would take that one, so an older copy of ``rank`` is stale.
 
     What writes a snapshot out of band (a dead owner's rescued snapshots, a buddy's replicas at a
     breakpoint) skips it then: pruning keeps the most recently *persisted* checkpoints (that is
     how an abandoned timeline's higher steps go after a rollback), so writing an older step would
     count as the newest and prune the later ones. The soak bench (2026-11-28) saw exactly that: a
     standby's rescue of its own stale step 342 and a buddy's replicas of 204 and 343 pruned rank 2's
-    steps 589-591, and the job resumed from step 0."""
-    return any(s > step for s in list_steps(ckpt_dir, rank))
+    steps 589-591, and the job resumed from step 0.
+
+    Only a *complete* later step counts: after a node loss a buddy may write the lost rank's step
+    17 and then its 16, the newest step whose every shard exists (another lost rank's replica
+    reached 16 only); skipping 16 for the partial 17 left no complete step but an old one
+    (bench/faults.py's kill-buddy-then-node fell back 8 steps to disk, 2026-11-28)."""
+    return any(s > step and complete(ckpt_dir, s, rank) for s in list_steps(ckpt_dir, rank))
+
+
+def complete(ckpt_dir: Path, step: int, rank: int) -> bool:
+    """Whether every rank of the world that ``rank``'s manifest at ``step`` names has a committed
+    manifest there (not verified: the data is read only by a resume)."""
+    try:
+        world = read_manifest(ckpt_dir, rank, step).get("world_size")
+    except CorruptCheckpoint:
+        return False
+    return isinstance(world, int) and world > 0 and set(range(world)) <= set(ranks_at(ckpt_dir, step))
 
 
 def ranks_at(ckpt_dir: Path, step: int) -> list[int]:
