@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import subprocess
+import threading
 
 import pytest
 from tgtest import (
@@ -96,8 +98,8 @@ def small_fs(tmp_path):
 
 
 def _fill(path) -> None:
-    """Write until the filesystem has no byte left (ENOSPC at 64 KB, then at 1 byte)."""
-    with open(path, "wb", buffering=0) as f:
+    """Append to ``path`` until the filesystem has no byte left (ENOSPC at 64 KB, then at 1 byte)."""
+    with open(path, "ab", buffering=0) as f:
         for size in (64 << 10, 4 << 10, 1):
             while True:
                 try:
@@ -105,6 +107,30 @@ def _fill(path) -> None:
                 except OSError as exc:
                     assert exc.errno == errno.ENOSPC, exc
                     break
+
+
+@contextlib.contextmanager
+def _kept_full(directory):
+    """The filesystem of ``directory`` full, and filled again whenever something frees room, until
+    the block ends. A checkpoint write that the fill interrupts fails and removes its partial file,
+    which frees what it had taken: an event stored just then found room, and if every event did, the
+    store never used its reserve (CI, 2026-11-28). Writes that start on a full disk free nothing."""
+    stop = threading.Event()
+
+    def keep() -> None:
+        for _ in range(100_000):  # bounded: 10 ms apart, well past any job of this file
+            _fill(directory / "filler")
+            if stop.wait(0.01):
+                return
+
+    _fill(directory / "filler")
+    keeper = threading.Thread(target=keep, daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        keeper.join()
 
 
 def test_a_full_run_dir_keeps_the_job_record(small_fs, jobs):
@@ -117,8 +143,8 @@ def test_a_full_run_dir_keeps_the_job_record(small_fs, jobs):
     wait_event(run_dir, "job_started")
     wait_for(lambda: "step=3 " in (rank_log(run_dir, 0, 0).read_text() if rank_log(run_dir, 0, 0).exists() else ""),
              what="rank 0 at step 3")
-    _fill(run_dir / "filler")
-    assert job.wait() == 0, job.output()[-3000:]
+    with _kept_full(small_fs):
+        assert job.wait() == 0, job.output()[-3000:]
 
     out = job.output()
     assert "Traceback" not in out and "Logging error" not in out, out[-3000:]
