@@ -119,9 +119,9 @@ def _kept_full(directory):
 
     def keep() -> None:
         for _ in range(100_000):  # bounded: 10 ms apart, well past any job of this file
-            _fill(directory / "filler")
             if stop.wait(0.01):
                 return
+            _fill(directory / "filler")
 
     _fill(directory / "filler")
     keeper = threading.Thread(target=keep, daemon=True)
