@@ -18,6 +18,7 @@ Nothing is imported at module level: workers import this module too, and must no
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 # --------------------------------------------------------------------------- elastic agent
@@ -220,6 +221,65 @@ def rendezvous_round(handler: Any) -> tuple[bool, bool, int, int] | None:
         holder.sync()
         state = holder.state
         return bool(state.closed), bool(state.complete), len(state.participants), int(settings.max_nodes)
+
+
+def rendezvous_round_number(handler: Any) -> int | None:
+    """The number of a dynamic rendezvous' current round (torch counts up each time a round empties);
+    None for other handlers."""
+    holder = getattr(handler, "_state_holder", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    if holder is None or lock is None:
+        return None
+    with lock:
+        holder.sync()
+        return int(holder.state.round)
+
+
+def hold_on_redundancy_list(handler: Any, may_leave: Callable[[Any, int], bool]) -> Callable[[], None]:
+    """Keep a node waiting on a dynamic rendezvous' redundancy list until ``may_leave(state,
+    max_nodes)`` says a place is free for good; returns the undo.
+
+    Why: torch moves a node off the redundancy list as soon as the round has fewer than --nnodes
+    MAX participants. A participant that only steps out for a whole-job restart leaves such a gap
+    too, and a standby waiting there then races it into the next round: it took a healthy, slower
+    node's place and left that node waiting (bench/soak.py's standby row, 2026-11-29). The hook
+    wraps the handler's op executor: while ``may_leave`` says no, a join op's "remove from the
+    redundancy list" becomes what torch does while the round is full (keep alive, or poll).
+    ``may_leave`` is asked at every look while the node is on the list (it learns the round's
+    number while the round is full).
+    Other handlers (etcd-v2, static) are left as they are: the undo does nothing."""
+    executor = getattr(handler, "_op_executor", None)
+    settings = getattr(handler, "_settings", None)
+    if executor is None or settings is None or not callable(getattr(executor, "run", None)):
+        return lambda: None
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    def held(join: Any) -> Callable[[Any, float], Any]:
+        def decide(ctx: Any, deadline: float) -> Any:
+            action = join(ctx, deadline)
+            if ctx.node not in ctx.state.redundancy_list:
+                return action
+            # asked at every look while on the list, so that it sees the round it waits beside formed
+            leave = may_leave(ctx.state, int(settings.max_nodes))
+            if action == dr._Action.REMOVE_FROM_REDUNDANCY_LIST and not leave:
+                return dr._Action.KEEP_ALIVE if dr._should_keep_alive(ctx) else dr._Action.SYNC
+            return action
+
+        return decide
+
+    def run(state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
+        if isinstance(state_handler, dr._RendezvousJoinOp):
+            state_handler = held(state_handler)
+        return original(state_handler, deadline, update_deadline)
+
+    original = executor.run
+    executor.run = run
+
+    def undo() -> None:
+        if executor.__dict__.get("run") is run:
+            del executor.run
+
+    return undo
 
 
 def rendezvous_standbys(handler: Any) -> int:

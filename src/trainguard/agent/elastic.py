@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,13 +202,17 @@ class TrainguardAgent(LocalElasticAgent):
             if made_here and d.source == "node_lost":  # the other survivors go along without a restart
                 for node in d.evidence.get("nodes", {}):
                     self.peers.announce_leaving(self.get_worker_group().store, node)
-            self._reform_without(d.evidence.get("rdzv_nodes", []))
+            self._reform_without(d.evidence.get("rdzv_nodes", []), frees_place=not d.evidence.get("membership_change"))
 
-    def _reform_without(self, lost: list[str]) -> None:
+    def _reform_without(self, lost: list[str], frees_place: bool = True) -> None:
         """Make the next round form at once: drop vanished nodes from the rendezvous now (torch
         would wait for their keep-alive to expire) and wait only LAST_CALL_AFTER_CHANGE_S for nodes
-        beyond --nnodes MIN (torch's default last call is 30 s) in that round."""
+        beyond --nnodes MIN (torch's default last call is 30 s) in that round. A node gone for good
+        (lost, left, excluded; not a peer that only moved on to a new round) frees its place: the
+        standbys are told, so one joins that round (agent/standby.py)."""
         handler = self.get_worker_group().spec.rdzv_handler
+        if frees_place:
+            self._say_freed(handler, lost)
         for node in lost:
             try:
                 torch_compat.expire_rendezvous_node(handler, node)
@@ -216,6 +221,15 @@ class TrainguardAgent(LocalElasticAgent):
         before = torch_compat.set_last_call(handler, LAST_CALL_AFTER_CHANGE_S)
         if self._last_call_s is None:
             self._last_call_s = before
+
+    def _say_freed(self, handler: Any, lost: list[str]) -> None:
+        try:
+            round_number = torch_compat.rendezvous_round_number(handler)
+            base = torch_compat.rendezvous_base_store(handler, None)
+            if round_number is not None and base is not None:
+                standby_node.say_freed(self.peers.signed(base), round_number, lost)
+        except Exception as exc:  # the store host may be what was lost: a standby's grace lets it in
+            log.warning("could not tell the standbys a place is free: %s", exc)
 
     def _remember(self, d: Decision) -> None:
         """Put a hardware-class fault, an exclusion or a restart loop of this host in the site's
@@ -252,13 +266,16 @@ class TrainguardAgent(LocalElasticAgent):
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
-        if self.standby_waiting:
-            standby_node.await_formed_round(worker_group.spec.rdzv_handler, self.bus.emit, self.bus.node)
-        if self.run_info is None:  # the first join: torch's skew between nodes joining at once
-            super()._rendezvous(worker_group)
-        else:
-            with torch_compat.first_round_delay_skipped():
+        release = self._wait_as_standby(worker_group.spec.rdzv_handler) if self.standby_waiting else None
+        try:
+            if self.run_info is None:  # the first join: torch's skew between nodes joining at once
                 super()._rendezvous(worker_group)
+            else:
+                with torch_compat.first_round_delay_skipped():
+                    super()._rendezvous(worker_group)
+        finally:
+            if release is not None:
+                release()
         self._join_run(worker_group)
         self._claim_node_name(worker_group)
         promoted, self.standby_waiting = self.standby_waiting, False
@@ -273,6 +290,14 @@ class TrainguardAgent(LocalElasticAgent):
             self._fresh_worker_store(worker_group)
             if promoted:
                 self._take_round_attempt(worker_group)
+
+    def _wait_as_standby(self, handler: Any) -> Callable[[], None]:
+        """Join beside the formed round, and take a place only when one is free for good."""
+        standby_node.await_formed_round(handler, self.bus.emit, self.bus.node)
+        base = torch_compat.rendezvous_base_store(handler, None)
+        signed = self.peers.signed(base) if base is not None else None
+        vacancy = standby_node.Vacancy(lambda r: signed is not None and standby_node.freed(signed, r))
+        return torch_compat.hold_on_redundancy_list(handler, vacancy)
 
     def _join_run(self, wg: WorkerGroup) -> None:
         """The first round makes this node part of a run: its attempts continue the run dir's numbering."""
