@@ -266,7 +266,10 @@ class TrainguardAgent(LocalElasticAgent):
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
-        release = self._wait_as_standby(worker_group.spec.rdzv_handler) if self.standby_waiting else None
+        handler = worker_group.spec.rdzv_handler
+        if self.standby_waiting:
+            standby_node.await_formed_round(handler, self.bus.emit, self.bus.node)
+        release = self._take_only_a_free_place(handler)
         try:
             if self.run_info is None:  # the first join: torch's skew between nodes joining at once
                 super()._rendezvous(worker_group)
@@ -274,8 +277,7 @@ class TrainguardAgent(LocalElasticAgent):
                 with torch_compat.first_round_delay_skipped():
                     super()._rendezvous(worker_group)
         finally:
-            if release is not None:
-                release()
+            release()
         self._join_run(worker_group)
         self._claim_node_name(worker_group)
         promoted, self.standby_waiting = self.standby_waiting, False
@@ -291,9 +293,10 @@ class TrainguardAgent(LocalElasticAgent):
             if promoted:
                 self._take_round_attempt(worker_group)
 
-    def _wait_as_standby(self, handler: Any) -> Callable[[], None]:
-        """Join beside the formed round, and take a place only when one is free for good."""
-        standby_node.await_formed_round(handler, self.bus.emit, self.bus.node)
+    def _take_only_a_free_place(self, handler: Any) -> Callable[[], None]:
+        """A node waiting beside a full round (a standby; a node lost that came back) takes a place
+        only when one is free for good, not a participant's for the moment of a whole-job restart
+        (agent/standby.py). A participant rejoining its own round is never on that list: no-op."""
         base = torch_compat.rendezvous_base_store(handler, None)
         signed = self.peers.signed(base) if base is not None else None
         vacancy = standby_node.Vacancy(lambda r: signed is not None and standby_node.freed(signed, r))
