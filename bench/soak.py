@@ -262,7 +262,9 @@ def _node_back(run: Run, node: str) -> str:
 def _inject(run: Run, f: Fault, late: bool = False) -> str:
     if f.kind == "node-back":
         return _node_back(run, f.node)
-    node = _in_place_of(run, f.node, late) if f.kind != "disk-full" else f.node
+    # the checkpoint disk is every node's: a fill named for a node that trains nothing now (back
+    # from a cut, waiting beside a full round) is done from one that trains (soak 2026-11-29: skipped)
+    node = _in_place_of(run, f.node, late or f.kind == "disk-full")
     instead = f" (in {f.node}'s place)" if node != f.node else ""
     if f.kind == "sleep-hang":
         run.flag(node).touch()
