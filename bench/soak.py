@@ -296,16 +296,20 @@ def _inject(run: Run, f: Fault, late: bool = False) -> str:
     return (f"rank {t.rank} on {node}" if t.rank is not None else f"{node}'s processes {d.get('pids', '')}".strip()) + instead
 
 
-def _inject_retrying(run: Run, f: Fault) -> str:
-    """A target may be between two workers (a restart): try again for a while, then skip."""
+def _inject_retrying(run: Run, f: Fault) -> tuple[float, str]:
+    """A target may be between two workers (a restart): try again for a while, then skip. Returns
+    when the attempt that landed began (wall clock) and what it did: a fault retargeted after
+    SPARE_AFTER_S of retries lands that much after it was due, and its stall is matched to the
+    time it landed (soak 2026-11-29: a SIGSTOP 10 s late had its stall counted as a false kill)."""
     start = time.monotonic()
     end = start + 15
     while True:
+        tried = time.time()
         try:
-            return _inject(run, f, late=time.monotonic() > start + SPARE_AFTER_S)
+            return tried, _inject(run, f, late=time.monotonic() > start + SPARE_AFTER_S)
         except (TargetError, ChaosError, psutil.Error, OSError) as exc:
             if time.monotonic() > end or STOP.is_set():
-                return f"skipped: {exc}"
+                return tried, f"skipped: {exc}"
             time.sleep(0.5)
 
 
@@ -328,8 +332,7 @@ def _supervise(run: Run, deadline: float) -> None:
         now = time.time()
         while pending and now >= run.t0 + pending[0].at:
             f = pending.pop(0)
-            at = time.time()
-            run.done.append((f, at, _inject_retrying(run, f)))
+            run.done.append((f, *_inject_retrying(run, f)))
         for la in run.launchers.values():  # torchrun's restart loops; a node back whose agent was leaving
             if la.up and not la.running() and (not run.guarded or now < la.back_until):
                 la.back_until = 0.0
