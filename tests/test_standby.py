@@ -170,6 +170,16 @@ def _hold(spare, said_freed, grace_s: float):
     return waiter, asked
 
 
+def _rejoin_and_see_the_standby_in(a, spare, waiter) -> None:
+    """The survivor ``a`` forms the next round: the standby is in it, in the lost node's place."""
+    back_a = _rejoin(a)
+    waiter.join(timeout=120)
+    back_a.join(timeout=120)
+    state = _state(a)
+    assert not waiter.is_alive() and not waiter.ended and not back_a.is_alive()
+    assert state.complete and set(state.participants) == {a._this_node, spare._this_node}
+
+
 def test_a_restart_keeps_the_rounds_own_nodes_ahead_of_a_standby(pair_and_spare):
     a, b, spare = pair_and_spare
     waiter, asked = _hold(spare, lambda r: False, grace_s=3.0)
@@ -204,12 +214,7 @@ def test_a_node_lost_and_said_lets_the_standby_in_at_once(pair_and_spare):
     wait_for(lambda: rejected and asked[0] >= seen + 2, what="the forged word read and refused")
     assert spare._this_node in _state(a).redundancy_list
     standby.say_freed(SignedStore(a._store, key), rnd, [repr(b._this_node)])
-    back_a = _rejoin(a)
-    waiter.join(timeout=120)
-    back_a.join(timeout=120)
-    state = _state(a)
-    assert not waiter.is_alive() and not waiter.ended and not back_a.is_alive()
-    assert state.complete and set(state.participants) == {a._this_node, spare._this_node}
+    _rejoin_and_see_the_standby_in(a, spare, waiter)
 
 
 def test_a_node_lost_unsaid_lets_the_standby_in_after_the_grace(pair_and_spare):
@@ -217,9 +222,4 @@ def test_a_node_lost_unsaid_lets_the_standby_in_after_the_grace(pair_and_spare):
     waiter, _ = _hold(spare, lambda r: False, grace_s=1.0)
     b._stop_heartbeats()
     assert torch_compat.expire_rendezvous_node(a, repr(b._this_node))
-    back_a = _rejoin(a)
-    waiter.join(timeout=120)
-    back_a.join(timeout=120)
-    state = _state(a)
-    assert not waiter.is_alive() and not waiter.ended and not back_a.is_alive()
-    assert state.complete and set(state.participants) == {a._this_node, spare._this_node}
+    _rejoin_and_see_the_standby_in(a, spare, waiter)

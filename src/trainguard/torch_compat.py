@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------- elastic agent
 
@@ -207,32 +209,35 @@ def expire_rendezvous_node(handler: Any, node: str, attempts: int = 3) -> bool:
     return False
 
 
-def rendezvous_round(handler: Any) -> tuple[bool, bool, int, int] | None:
-    """(closed, complete, participants, max nodes) of a dynamic rendezvous' current round, read
-    from the store: a standby agent joins only once the job's round has formed, so that it waits
-    beside the job (torch puts a node beyond --nnodes MAX on its redundancy list) instead of
-    taking an active node's place. None for other handlers (etcd-v2, static)."""
-    holder = getattr(handler, "_state_holder", None)
-    lock = getattr(handler, "_heartbeat_lock", None)
-    settings = getattr(handler, "_settings", None)
-    if holder is None or lock is None or settings is None:
-        return None
-    with lock:
-        holder.sync()
-        state = holder.state
-        return bool(state.closed), bool(state.complete), len(state.participants), int(settings.max_nodes)
-
-
-def rendezvous_round_number(handler: Any) -> int | None:
-    """The number of a dynamic rendezvous' current round (torch counts up each time a round empties);
-    None for other handlers."""
+def _read_rendezvous_state(handler: Any, read: Callable[[Any], T]) -> T | None:
+    """``read(state)`` of a dynamic rendezvous' state synced from the store, under the handler's
+    lock (its keep-alive thread syncs it too); None for other handlers (etcd-v2, static)."""
     holder = getattr(handler, "_state_holder", None)
     lock = getattr(handler, "_heartbeat_lock", None)
     if holder is None or lock is None:
         return None
     with lock:
         holder.sync()
-        return int(holder.state.round)
+        return read(holder.state)
+
+
+def rendezvous_round(handler: Any) -> tuple[bool, bool, int, int] | None:
+    """(closed, complete, participants, max nodes) of a dynamic rendezvous' current round, read
+    from the store: a standby agent joins only once the job's round has formed, so that it waits
+    beside the job (torch puts a node beyond --nnodes MAX on its redundancy list) instead of
+    taking an active node's place. None for other handlers (etcd-v2, static)."""
+    settings = getattr(handler, "_settings", None)
+    if settings is None:
+        return None
+    return _read_rendezvous_state(
+        handler, lambda s: (bool(s.closed), bool(s.complete), len(s.participants), int(settings.max_nodes))
+    )
+
+
+def rendezvous_round_number(handler: Any) -> int | None:
+    """The number of a dynamic rendezvous' current round (torch counts up each time a round empties);
+    None for other handlers."""
+    return _read_rendezvous_state(handler, lambda s: int(s.round))
 
 
 def hold_on_redundancy_list(handler: Any, may_leave: Callable[[Any, int], bool]) -> Callable[[], None]:
@@ -286,14 +291,7 @@ def rendezvous_standbys(handler: Any) -> int:
     """Nodes waiting beside a dynamic rendezvous' round (its redundancy list: they came while it
     had --nnodes MAX; and its wait list: they will join the next round): the standbys a lost node's
     place goes to. 0 for other handlers."""
-    holder = getattr(handler, "_state_holder", None)
-    lock = getattr(handler, "_heartbeat_lock", None)
-    if holder is None or lock is None:
-        return 0
-    with lock:
-        holder.sync()
-        state = holder.state
-        return len(state.redundancy_list) + len(state.wait_list)
+    return _read_rendezvous_state(handler, lambda s: len(s.redundancy_list) + len(s.wait_list)) or 0
 
 
 def no_restart_for_a_full_round(handler: Any) -> None:

@@ -265,8 +265,8 @@ class TrainguardAgent(LocalElasticAgent):
 
     # ---- rendezvous -------------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        torch_compat.forget_rendezvous_bootstrap(worker_group.spec.rdzv_handler)  # late joiners (see there)
         handler = worker_group.spec.rdzv_handler
+        torch_compat.forget_rendezvous_bootstrap(handler)  # late joiners (see there)
         if self.standby_waiting:
             standby_node.await_formed_round(handler, self.bus.emit, self.bus.node)
         release = self._take_only_a_free_place(handler)
