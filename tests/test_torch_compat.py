@@ -181,13 +181,18 @@ def test_rendezvous_records_use_dynamic_rendezvous_get_method_name_and_delay(mon
 
     assert callable(getattr(dr, "_delay", None)), "torch removed dynamic_rendezvous._delay"
     delay = dr._delay
-    with C.first_round_delay_skipped():
+    with C.rendezvous_delays():
         assert dr._delay is not delay and dr._delay(seconds=(5, 5)) is None  # returns at once
     assert dr._delay is delay
     h = handler()
     try:
         h.next_rendezvous()
         assert h._state_holder.state.round == 0, "torch's state is still round 0 before the first restart"
+        cache = getattr(h._state_holder, "_cache_duration", None)
+        assert cache == 1, "torch's state holder no longer caches the state for 1 s"
+        with C.rendezvous_delays(h):  # polls every POLL_S would otherwise mostly reread the cache
+            assert h._state_holder._cache_duration == C.POLL_S
+        assert h._state_holder._cache_duration == cache
     finally:
         h.shutdown()
 
@@ -364,3 +369,31 @@ def test_a_full_round_with_a_node_left_on_the_wait_list_restarts_nothing():
         for h in (a, b, c):
             h.shutdown()
         del server
+
+
+def test_rendezvous_polls_often_while_a_round_forms_then_at_torchs_pace_never_spinning():
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s + 0.002  # a poll of the store
+
+    d = C.rendezvous_delays(sleep=sleep, clock=lambda: now[0])
+    while now[0] < C.POLL_FAST_FOR_S + 5:
+        d.delay(1)  # torch's op executor between two polls of the state
+    fast = [s for s in slept if s == C.POLL_S]
+    assert len(fast) >= 0.9 * C.POLL_FAST_FOR_S / C.POLL_S  # every step of a forming round seen within 0.1 s
+    assert slept[len(fast):] and all(s == 1 for s in slept[len(fast):])  # then torch's 1 s, a long wait
+    assert all(s >= C.POLL_S for s in slept)  # never a spin
+
+
+def test_the_first_rendezvous_keeps_torchs_skew_between_nodes_joining_at_once():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    slept: list[float] = []
+    with C.rendezvous_delays(skip_first_round_delay=False, sleep=slept.append) as d:
+        skew: list[object] = []
+        d._saved = skew.append  # torch's own _delay, recorded instead of slept
+        dr._delay(seconds=(0, 0.3))
+        assert skew == [(0, 0.3)] and slept == []

@@ -271,11 +271,9 @@ class TrainguardAgent(LocalElasticAgent):
             standby_node.await_formed_round(handler, self.bus.emit, self.bus.node)
         release = self._take_only_a_free_place(handler)
         try:
-            if self.run_info is None:  # the first join: torch's skew between nodes joining at once
+            # the first join keeps torch's skew between nodes joining at once
+            with torch_compat.rendezvous_delays(handler, skip_first_round_delay=self.run_info is not None):
                 super()._rendezvous(worker_group)
-            else:
-                with torch_compat.first_round_delay_skipped():
-                    super()._rendezvous(worker_group)
         finally:
             release()
         self._join_run(worker_group)
