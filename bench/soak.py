@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from soak_accounting import Breakdown, Fault, Step, account, healthy_step, schedule  # noqa: E402
+from soak_accounting import KINDS, Breakdown, Fault, Step, account, healthy_step, schedule  # noqa: E402
 
 from trainguard.chaos import testbed  # noqa: E402
 from trainguard.chaos.cli import ChaosError, add_arguments, inject_into  # noqa: E402
@@ -574,6 +574,8 @@ def main() -> int:
     p.add_argument(
         "--mean-interval-s", type=float, default=120.0, help="mean time between faults (default 120)"
     )
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"draw only these faults (default: all of {','.join(KINDS)}); to look at one kind's cost alone")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="torchrun row: the process group's timeout in s (default 120; gloo's own is 1800)")  # fmt: skip
     p.add_argument("--wedge-s", type=float, default=300.0, help="a run with no new step this long is wedged")
@@ -597,6 +599,10 @@ def main() -> int:
     if why := testbed.available() or ([t for t in tools if t not in (*TOOLS, STANDBY_TOOL)] and f"unknown tools {tools}"):
         print(f"soak.py: error: {why}", file=sys.stderr)
         return 2
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        print(f"soak.py: error: --kinds: give some of {', '.join(KINDS)}", file=sys.stderr)
+        return 2
     if args.minutes <= 0 or args.mean_interval_s <= 0 or args.timeout <= 0:
         print("soak.py: error: --minutes, --mean-interval-s and --timeout must be positive", file=sys.stderr)
         return 2
@@ -606,7 +612,7 @@ def main() -> int:
         except OSError as exc:
             print(f"soak.py: error: --work {args.work}: {exc.strerror or exc} (give a new directory)", file=sys.stderr)
             return 2
-    faults = schedule(args.seed, args.minutes, args.mean_interval_s)
+    faults = schedule(args.seed, args.minutes, args.mean_interval_s, kinds)
     print(f"soak: {args.minutes:g} min, seed {args.seed}, one fault per {args.mean_interval_s:g} s on average: "
           f"{len(faults)} faults; rows {', '.join(tools)} {'side by side' if args.parallel else 'one after the other'}; "
           f"torchrun's process group timeout {args.timeout:g} s; wedged after {args.wedge_s:g} s without a step")  # fmt: skip

@@ -75,10 +75,11 @@ class Breakdown:
                 "slow steps": self.slow}  # fmt: skip
 
 
-def schedule(seed: int, minutes: float, mean_interval_s: float) -> list[Fault]:
+def schedule(seed: int, minutes: float, mean_interval_s: float, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
     """Faults at exponential intervals (mean ``mean_interval_s``), between WARMUP_S and QUIET_END_S
     before the end. At most one node is down at a time (the job runs on 2:3 nodes): while one is,
-    a node-level fault draws that node's return instead, and any fault is its return with odds 1/2."""
+    a node-level fault draws that node's return instead, and any fault is its return with odds 1/2.
+    ``kinds``: draw only these (a subset of KINDS, to look at one kind of fault's cost alone)."""
     rng = random.Random(seed)
     out: list[Fault] = []
     down: str | None = None
@@ -87,7 +88,7 @@ def schedule(seed: int, minutes: float, mean_interval_s: float) -> list[Fault]:
         t += rng.expovariate(1.0 / mean_interval_s)
         if t > minutes * 60 - QUIET_END_S:
             return out
-        kind = rng.choice(KINDS)
+        kind = rng.choice(kinds)
         if down is not None and (kind in NODE_FAULTS or rng.random() < 0.5):
             out.append(Fault(round(t, 3), "node-back", down))
             down = None
