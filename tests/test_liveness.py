@@ -10,6 +10,7 @@ from torch.distributed import TCPStore
 
 from trainguard.detect.nodeloss import DONE, Beat, late_nodes, to_probe
 from trainguard.events import EventBus, EventStore
+from trainguard.evidence import RankFailure
 from trainguard.monitors.api import MonitorContext, StepSample, StepTracker, WorkerInfo
 from trainguard.monitors.liveness import LivenessMonitor, LivenessSettings
 
@@ -116,3 +117,55 @@ def test_node_loss_rule_over_samples():
     assert late_nodes(beats, now=5.0, lost_after_s=4.0, startup_s=1.0) == {1: 5.0, 2: 5.0, 3: 5.0}  # never below the deadline
     assert to_probe(beats, now=4.0, lost_after_s=4.0) == [2]  # 3 is proven already; 1 beat
     assert to_probe(beats, now=3.0, lost_after_s=4.0) == []
+
+
+PEER_LOST = RankFailure(0, 1, 1, log_tail=("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                                           "Connection closed by peer [127.0.0.1]:40123",), first_failure=True)
+
+
+def test_a_lost_peer_whose_agent_still_beats_is_a_worker_failure_there(tmp_path):
+    """This node's rank only lost its peer: the other agent beats on (its worker failed, its agent
+    restarts it), so no node is lost; proven from reads that began after the failure."""
+    from trainguard.spawn.failures import lost_peer
+
+    assert lost_peer(PEER_LOST)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    db = EventStore(tmp_path)
+    settings = LivenessSettings(interval_s=0.2, lost_after_s=3.0)
+    a, b = LivenessMonitor(settings), LivenessMonitor(settings)
+    try:
+        ca, cb = contexts(tmp_path, server, db)
+        a.on_workers_started(ca)
+        b.on_workers_started(cb)
+        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+        assert a.on_workers_failed(ca, {0: PEER_LOST}) is None
+        assert db.query(kinds=["node_lost"]) == []
+        assert not a._hurry.is_set()  # back to its own pace
+    finally:
+        a.close()
+        b.close()
+        db.close()
+        del server
+
+
+def test_a_node_that_beat_just_before_it_died_is_named_lost(tmp_path):
+    """The race the baseline guards against: node 1's last beat lands just before it dies and our
+    rank notices; that beat must not count as a sign of life."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    db = EventStore(tmp_path)
+    settings = LivenessSettings(interval_s=0.2, lost_after_s=1.0)
+    a, b = LivenessMonitor(settings), LivenessMonitor(settings)
+    try:
+        ca, cb = contexts(tmp_path, server, db)
+        a.on_workers_started(ca)
+        b.on_workers_started(cb)
+        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+        b._halt()  # dies right after its last beat ...
+        server.add("trainguard/alive/n1", 1)  # ... which reaches the store as our rank fails
+        lost = a.on_workers_failed(ca, {0: PEER_LOST})
+        assert lost is not None and list(lost.nodes) == ["n1"]
+        assert [e.kind for e in db.query(kinds=["node_lost"])] == ["node_lost"]
+    finally:
+        a.close()
+        db.close()
+        del server

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 PREFIX = "trainguard/alive"
 PROBE_PORT = 9  # any port: a refused connection still proves the host answers
+# After a peer was lost: a beat a dying node sent just before it died may still be on its way to
+# the store; a read that starts this long after our worker saw the loss counts as after it.
+IN_FLIGHT_S = 0.2
+HURRY = 5  # while a lost peer is being explained, this node reads the counters this many times per interval
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class LivenessMonitor(Monitor):
         self._thread: threading.Thread | None = None
         self._reported = False
         self._ctx: MonitorContext | None = None
+        self._read: tuple[float, dict[int, int]] | None = None  # the latest full read: (when it began, counters)
+        self._hurry = threading.Event()
+        self._wake = threading.Event()  # the beat thread's sleep ends early: stopping, or hurrying
 
     # ---- the heartbeat thread -------------------------------------------------------------
     def on_before_start(self, ctx: MonitorContext) -> None:
@@ -106,9 +113,11 @@ class LivenessMonitor(Monitor):
         others = [n for n in range(ctx.nnodes) if n != ctx.node_rank]
         while not stop.is_set():
             try:
+                began, counts = time.monotonic(), {}
                 store.add(f"{PREFIX}/n{ctx.node_rank}", 1)
                 for n in others:
                     count = DONE if _marked(store, f"{PREFIX}/done/{n}") else store.add(f"{PREFIX}/n{n}", 0)
+                    counts[n] = count
                     now = time.monotonic()
                     with self._lock:
                         last = self._seen.get(n)
@@ -116,10 +125,13 @@ class LivenessMonitor(Monitor):
                             self._seen[n] = (count, now)
                     if n not in self._peers and store.check([f"{PREFIX}/info/{n}"]):
                         self._peers[n] = json.loads(store.get(f"{PREFIX}/info/{n}"))
+                with self._lock:
+                    self._read = (began, counts)
                 self._probe_starting()
             except Exception as exc:  # the store is unreachable from here: the others will tell
                 log.debug("liveness: heartbeat failed: %s", exc)
-            stop.wait(self.settings.interval_s)
+            self._wake.wait(self.settings.interval_s / (HURRY if self._hurry.is_set() else 1))
+            self._wake.clear()
 
     def _probe_starting(self) -> None:
         """Probe the address of each node still starting past the heartbeat deadline (on this
@@ -132,6 +144,7 @@ class LivenessMonitor(Monitor):
 
     def _halt(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.settings.interval_s + 1)
         self._thread = None
@@ -162,23 +175,31 @@ class LivenessMonitor(Monitor):
             return None
         since = time.monotonic()
         deadline = since + self.settings.lost_after_s + 2 * self.settings.interval_s + 1
-        # A node is alive when its counter moves after a baseline read well after the failure: a
-        # beat it sent just before dying is only *seen* at our next read, after the failure, and
-        # must not count (that race kept a SIGKILLed node from being named).
-        baseline: dict[int, int] | None = None
-        while time.monotonic() < deadline:
-            late = self._late()
-            if late:
-                return self._lost(ctx, late)
-            with self._lock:
-                counts = {n: count for n, (count, _) in self._seen.items() if count >= 0}
-            if baseline is None:
-                if time.monotonic() - since >= 1.5 * self.settings.interval_s:
-                    baseline = counts
-            elif len(baseline) >= ctx.nnodes - 1 - self._done() and all(counts.get(n, c) > c for n, c in baseline.items()):
-                return None  # every other agent is alive: a worker failed somewhere, not a node
-            time.sleep(self.settings.interval_s / 2)
-        return None
+        # A node is alive when its counter moves after a baseline read that began after the
+        # failure: a beat it sent just before dying is then in the baseline, not taken for a sign
+        # of life (that race kept a SIGKILLed node from being named). Meanwhile the beat thread
+        # reads HURRY times as often, so the proof takes about one beat of the others.
+        self._hurry.set()
+        self._wake.set()  # a read that begins now, not at the end of the current interval
+        try:
+            baseline: tuple[float, dict[int, int]] | None = None
+            while time.monotonic() < deadline:
+                late = self._late()
+                if late:
+                    return self._lost(ctx, late)
+                with self._lock:
+                    read = self._read
+                if read is not None and read[0] >= since + IN_FLIGHT_S:
+                    began, counts = read[0], {n: c for n, c in read[1].items() if c >= 0}
+                    if baseline is None:
+                        baseline = (began, counts)
+                    elif (began > baseline[0] and len(baseline[1]) >= ctx.nnodes - 1 - self._done()
+                          and all(counts.get(n, c) > c for n, c in baseline[1].items())):
+                        return None  # every other agent is alive: a worker failed somewhere, not a node
+                time.sleep(self.settings.interval_s / (2 * HURRY))
+            return None
+        finally:
+            self._hurry.clear()
 
     def _done(self) -> int:
         """Nodes that said they finished (never lost)."""
