@@ -7,12 +7,17 @@ after — failures cluster, and a kill soon after a restart is the one that find
 
 Cold start (--cold N): launch -> first completed step, N launches of each tool, alternating.
 
+Several nodes (--nodes N): N launchers on loopback, one worker each, a c10d rendezvous hosted by
+the first; rank 1 (on the second node) is killed and rank 0's steps are timed. A worker failure
+on one node is then a restart of every node's workers through a new rendezvous round.
+
 torchrun runs with the workaround it needs to restart a gloo job at all
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it the restarted ranks read the dead rank's stale
 address from the reused store and hang).
 
     python bench/recovery.py --kills 10 --cold 5
     python bench/recovery.py --kills 10 --tools trainguard --prestart spawn   # spawned spares instead of the zygote
+    python bench/recovery.py --kills 8 --nodes 3                              # three nodes on loopback
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -93,30 +99,45 @@ def _worker_pid(launcher: psutil.Process, rank: int, exclude: set[int]) -> int:
     raise LookupError
 
 
-def trainguard_pids(run_dir: Path, attempt: int) -> dict[str, int]:
+def trainguard_pids(run_dir: Path, attempt: int, rank: str = "1") -> dict[str, int]:
+    """The workers of ``attempt`` (every node's, merged), once the node of ``rank`` started its own."""
     from trainguard.events.store import read_all
 
-    for e in read_all(run_dir, kinds=["job_started"]):
-        if e.evidence.get("attempt") == attempt:
-            return {r: int(p) for r, p in e.evidence["pids"].items()}
-    raise LookupError
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        pids = {r: int(p) for e in read_all(run_dir, kinds=["job_started"]) if e.evidence.get("attempt") == attempt
+                for r, p in e.evidence["pids"].items()}  # fmt: skip
+        if rank in pids:
+            return pids
+        time.sleep(0.05)
+    raise LookupError(f"no worker of rank {rank} in attempt {attempt}")
 
 
-def command(name: str, workdir: Path, steps: int, restarts: int, prestart: str) -> tuple[list[str], dict[str, str], Path]:
+def command(name: str, workdir: Path, steps: int, restarts: int, prestart: str, node: int = 1, nodes: int = 1,
+            port: int = 0) -> tuple[list[str], dict[str, str], Path]:
+    """One launcher: the only one (``nodes`` 1, standalone), or node ``node`` of ``nodes`` on loopback."""
     job = [str(EXAMPLE), "--steps", str(steps), "--step-time-ms", "50", "--ckpt-every", "5",
            "--ckpt-dir", str(workdir / f"ckpt-{name}")]  # fmt: skip
     env = dict(os.environ)
     run_dir = workdir / f"run-{name}"
+    if nodes == 1:
+        where = ["--standalone", "--nproc-per-node", "2"]
+    else:
+        where = ["--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-recovery-{name}",
+                 "--rdzv-conf", f"is_host={'true' if node == 1 else 'false'}"]  # fmt: skip
     if name == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", str(restarts), *job]  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts", str(restarts), *job]
+        if nodes > 1:
+            cmd[3:3] = ["--local-addr", "127.0.0.1"]
     else:
         # --restart-loop-attempts 0: back-to-back kills before a new snapshot are, to the guard, a
         # restart loop (the same signal, no step passed); this bench makes them on purpose.
-        cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", str(restarts), "--restart-loop-attempts", "0", "--run-dir", str(run_dir),
-               "--prestart-workers", prestart, *job]  # fmt: skip
+        cmd = [sys.executable, "-m", "trainguard", "run", *where, "--max-restarts", str(restarts),
+               "--restart-loop-attempts", "0", "--run-dir", str(run_dir), "--prestart-workers", prestart, *job]  # fmt: skip
+        if nodes > 1:
+            cmd[4:4] = ["--node-name", f"n{node}"]
     return cmd, env, run_dir
 
 
@@ -171,14 +192,25 @@ def memory_report(launcher: psutil.Process, workers: set[int]) -> str:
 
 
 # ---- recovery ----------------------------------------------------------------------------------
-def measure_recovery(name: str, kills: int, workdir: Path, prestart: str) -> list[tuple[float, float]]:
+def free_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def measure_recovery(name: str, kills: int, workdir: Path, prestart: str, nodes: int = 1) -> list[tuple[float, float]]:
     """(delay after the previous recovery, kill -> first step) per kill."""
-    cmd, env, run_dir = command(name, workdir, 1_000_000, kills, prestart)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    out = Output(proc)
-    launcher = psutil.Process(proc.pid)
-    times: list[tuple[float, float]] = []
+    port = free_port()
+    procs = []
     try:
+        for node in range(1, nodes + 1):
+            cmd, env, run_dir = command(name, workdir, 1_000_000, kills, prestart, node, nodes, port)
+            out = subprocess.PIPE if node == 1 else subprocess.DEVNULL  # rank 0's steps are timed
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=env, start_new_session=True))
+        out = Output(procs[0])
+        # rank 1: on the second node, or beside rank 0 on the only one
+        launcher = psutil.Process(procs[1 if nodes > 1 else 0].pid)
+        times: list[tuple[float, float]] = []
         dead: set[int] = set()
         pos, m = out.wait(lambda ln: STEP.search(ln), 0)
         recovered = time.time()
@@ -203,7 +235,8 @@ def measure_recovery(name: str, kills: int, workdir: Path, prestart: str) -> lis
             print(f"  {name:<10} kill {k + 1:>2} ({delay:>3.1f} s after the previous recovery): "
                   f"first step {times[-1][1]:.2f} s after SIGKILL", flush=True)  # fmt: skip
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
     return times
 
 
@@ -236,6 +269,8 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=10, help="kills per tool (0: no recovery measurement)")
     ap.add_argument("--cold", type=int, default=0, help="cold starts per tool (alternating)")
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated: torchrun,trainguard")
+    ap.add_argument("--nodes", type=int, default=1, help="launchers (nodes) on loopback, one worker each (default 1: "
+                    "one launcher, two workers)")
     ap.add_argument("--prestart", default="on", choices=["on", "spawn", "off"], help="trainguard's --prestart-workers")
     args = ap.parse_args()
     tools = [t for t in args.tools.split(",") if t]
@@ -246,10 +281,11 @@ def main() -> None:
             for t in tools if i % 2 == 0 else tools[::-1]:
                 cold[t].append(measure_cold(t, Path(d), args.prestart, i))
                 print(f"  {t:<10} cold start {i + 1}: first step {cold[t][-1]:.2f} s after launch", flush=True)
-        rec = {t: measure_recovery(t, args.kills, Path(d), args.prestart) for t in tools} if args.kills else {}
+        rec = {t: measure_recovery(t, args.kills, Path(d), args.prestart, args.nodes) for t in tools} if args.kills else {}
     if rec:
         summary(f"SIGKILL of rank 1 -> first completed step after restart, {args.kills} kills "
-                f"(delays after the previous recovery {', '.join(f'{s:g}' for s in SCHEDULE)} s, cycled; 2 workers, gloo, CPU)",
+                f"(delays after the previous recovery {', '.join(f'{s:g}' for s in SCHEDULE)} s, cycled; "
+                f"{'2 workers' if args.nodes == 1 else f'{args.nodes} nodes on loopback, one worker each'}, gloo, CPU)",
                 {t: [x for _, x in v] for t, v in rec.items()})  # fmt: skip
         for t, v in rec.items():
             b2b = [x for delay, x in v if delay < 5.0]
