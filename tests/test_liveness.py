@@ -3,6 +3,7 @@ node's ranks make no progress; a node that finished is never lost."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from tgtest import wait_for
@@ -26,15 +27,27 @@ def contexts(tmp_path, server, db):
     ]
 
 
-def test_silent_node_is_lost_only_while_training_is_blocked(tmp_path):
+@contextlib.contextmanager
+def two_agents(tmp_path, settings: LivenessSettings):
+    """Two liveness monitors beating through one real TCPStore, each seen by the other."""
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     db = EventStore(tmp_path)
-    a, b = LivenessMonitor(FAST), LivenessMonitor(FAST)
+    a, b = LivenessMonitor(settings), LivenessMonitor(settings)
     try:
         ca, cb = contexts(tmp_path, server, db)
         a.on_workers_started(ca)
         b.on_workers_started(cb)
         wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+        yield server, db, a, b, ca
+    finally:
+        a.close()
+        b.close()
+        db.close()
+        del server
+
+
+def test_silent_node_is_lost_only_while_training_is_blocked(tmp_path):
+    with two_agents(tmp_path, FAST) as (_, db, a, b, ca):
         b._halt()  # node 1 goes silent (its agent died)
         step = 0
         end = time.monotonic() + 2 * FAST.lost_after_s
@@ -48,30 +61,14 @@ def test_silent_node_is_lost_only_while_training_is_blocked(tmp_path):
         assert "no heartbeat" in lost.nodes["n1"] and "127.0.0.1 answers" in lost.nodes["n1"]
         assert [e.kind for e in db.query(kinds=["node_lost"])] == ["node_lost"]
         assert a.poll(ca) is None  # reported once per round
-    finally:
-        a.close()
-        b.close()
-        db.close()
-        del server
 
 
 def test_a_node_that_finished_is_not_lost(tmp_path):
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    db = EventStore(tmp_path)
-    a, b = LivenessMonitor(FAST), LivenessMonitor(FAST)
-    try:
-        ca, cb = contexts(tmp_path, server, db)
-        a.on_workers_started(ca)
-        b.on_workers_started(cb)
-        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+    with two_agents(tmp_path, FAST) as (_, _db, a, b, ca):
         b.close()  # finished: marks itself done
         wait_for(lambda: a._seen.get(1, (0,))[0] == -1, 10, "node 1 seen done")
         time.sleep(2 * FAST.lost_after_s)  # longer than --node-lost-after, no steps here
         assert a.poll(ca) is None
-    finally:
-        a.close()
-        db.close()
-        del server
 
 
 def test_a_node_slow_to_start_its_workers_is_not_lost(tmp_path):
@@ -129,43 +126,18 @@ def test_a_lost_peer_whose_agent_still_beats_is_a_worker_failure_there(tmp_path)
     from trainguard.spawn.failures import lost_peer
 
     assert lost_peer(PEER_LOST)
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    db = EventStore(tmp_path)
-    settings = LivenessSettings(interval_s=0.2, lost_after_s=3.0)
-    a, b = LivenessMonitor(settings), LivenessMonitor(settings)
-    try:
-        ca, cb = contexts(tmp_path, server, db)
-        a.on_workers_started(ca)
-        b.on_workers_started(cb)
-        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+    with two_agents(tmp_path, LivenessSettings(interval_s=0.2, lost_after_s=3.0)) as (_, db, a, _b, ca):
         assert a.on_workers_failed(ca, {0: PEER_LOST}) is None
         assert db.query(kinds=["node_lost"]) == []
         assert not a._hurry.is_set()  # back to its own pace
-    finally:
-        a.close()
-        b.close()
-        db.close()
-        del server
 
 
 def test_a_node_that_beat_just_before_it_died_is_named_lost(tmp_path):
     """The race the baseline guards against: node 1's last beat lands just before it dies and our
     rank notices; that beat must not count as a sign of life."""
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    db = EventStore(tmp_path)
-    settings = LivenessSettings(interval_s=0.2, lost_after_s=1.0)
-    a, b = LivenessMonitor(settings), LivenessMonitor(settings)
-    try:
-        ca, cb = contexts(tmp_path, server, db)
-        a.on_workers_started(ca)
-        b.on_workers_started(cb)
-        wait_for(lambda: a._peers.get(1), 10, "node 1 seen")
+    with two_agents(tmp_path, LivenessSettings(interval_s=0.2, lost_after_s=1.0)) as (server, db, a, b, ca):
         b._halt()  # dies right after its last beat ...
         server.add("trainguard/alive/n1", 1)  # ... which reaches the store as our rank fails
         lost = a.on_workers_failed(ca, {0: PEER_LOST})
         assert lost is not None and list(lost.nodes) == ["n1"]
         assert [e.kind for e in db.query(kinds=["node_lost"])] == ["node_lost"]
-    finally:
-        a.close()
-        db.close()
-        del server
