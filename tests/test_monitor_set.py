@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -72,6 +74,55 @@ def test_a_stop_signal_swallowed_inside_a_monitor_is_raised_again(tmp_path, monk
         stopsignal.handled()  # the run is stopping: later calls go on
         assert list(monitors.each("poll", None)) == []
     finally:
+        store.close()
+
+
+class SignalledInsideBroadExcept(Monitor):
+    """A monitor whose own broad except is where a stop signal lands (as a SIGINT during its
+    Thread.start once did: it surfaced as a KeyError)."""
+
+    name = "signalled"
+
+    def poll(self, ctx):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs at the next bytecode boundary
+                time.sleep(0.001)
+        except Exception:
+            return None
+
+
+def test_a_stop_signal_under_torchs_handler_is_reclaimed_and_never_lost(tmp_path, monkeypatch):
+    """torch's PContext.start registers its own handler for the stop signals each time workers
+    start; it records nothing, so a signal it raised inside a broad except was lost for good.
+    The worker start (TrainguardPContext._start) gives the signals back to the agent's handler."""
+    from torch.distributed.elastic.multiprocessing import api as torch_api
+
+    from trainguard import stopsignal
+    from trainguard.agent import launch
+
+    monkeypatch.setattr(stopsignal, "_pending", None)
+    monkeypatch.setattr(stopsignal, "_handler", None)
+    saved = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    store = EventStore(tmp_path)
+    monitors = MonitorSet([SignalledInsideBroadExcept()], EventBus(store, node="n0"))
+    try:
+        signal.signal(signal.SIGINT, torch_api._terminate_process_handler)  # what PContext.start does
+        assert list(monitors.each("poll", None)) == []  # the stop is lost: the failure this fixes
+        assert stopsignal.reclaim() == []  # the agent has not said which handler is its own yet
+        stopsignal.set_handler(launch._raise_signal)
+        signal.signal(signal.SIGINT, torch_api._terminate_process_handler)
+        assert signal.SIGINT in stopsignal.reclaim()
+        assert signal.getsignal(signal.SIGINT) is launch._raise_signal
+        with pytest.raises(SignalException) as got:
+            list(monitors.each("poll", None))
+        assert got.value.sigval == signal.SIGINT
+        signal.signal(signal.SIGINT, torch_api._terminate_process_handler)
+        assert stopsignal.reclaim() == []  # a stop under way: its handling is left as it is
+        stopsignal.handled()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
         store.close()
 
 

@@ -155,6 +155,7 @@ def _install_signal_handlers() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         if not (sig == signal.SIGHUP and _under_nohup()):
             signal.signal(sig, _raise_signal)
+    stopsignal.set_handler(_raise_signal)  # taken back from torch's each time workers start
 
 
 def _under_nohup() -> bool:

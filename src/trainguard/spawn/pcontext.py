@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import (
 )
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from trainguard import stopsignal
 from trainguard.spawn.logs import Route, error_file_path, finished_file_path, rank_log_path
 from trainguard.spawn.pool import WorkerPool, WorkerProcess
 
@@ -168,6 +169,7 @@ class TrainguardPContext(SubprocessContext):
         return Route(console=frozenset(console), files=files, prefix=prefix)
 
     def _start(self) -> None:
+        stopsignal.reclaim()  # torch's start() just registered its handler, which records no stop
         specs = {r: self._spec(r) for r in range(self.nprocs)}
         python = self.target.binary is None
         prestarted = self.pool.take(self.nprocs) if python and self.pool.size else []
