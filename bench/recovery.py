@@ -125,19 +125,16 @@ def command(name: str, workdir: Path, steps: int, restarts: int, prestart: str, 
     else:
         where = ["--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-recovery-{name}",
-                 "--rdzv-conf", f"is_host={'true' if node == 1 else 'false'}"]  # fmt: skip
+                 "--rdzv-conf", f"is_host={'true' if node == 1 else 'false'}",
+                 *(["--local-addr", "127.0.0.1"] if name == "torchrun" else ["--node-name", f"n{node}"])]  # fmt: skip
     if name == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--max-restarts", str(restarts), *job]
-        if nodes > 1:
-            cmd[3:3] = ["--local-addr", "127.0.0.1"]
     else:
         # --restart-loop-attempts 0: back-to-back kills before a new snapshot are, to the guard, a
         # restart loop (the same signal, no step passed); this bench makes them on purpose.
         cmd = [sys.executable, "-m", "trainguard", "run", *where, "--max-restarts", str(restarts),
                "--restart-loop-attempts", "0", "--run-dir", str(run_dir), "--prestart-workers", prestart, *job]  # fmt: skip
-        if nodes > 1:
-            cmd[4:4] = ["--node-name", f"n{node}"]
     return cmd, env, run_dir
 
 
