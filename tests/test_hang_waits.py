@@ -326,6 +326,12 @@ def test_sequence_real_job_rank_that_skipped_an_all_reduce_is_named(jobs, tmp_pa
     (hang,) = events(run, "hang_detected")
     seq = hang.evidence["sequence"]
     assert seq["out_of_sequence"] == [1], (hang.message, seq)
-    assert "rank 0: in all_reduce" in seq["lines"][0] and "rank 1: in barrier" in seq["lines"][1], seq
+    # From torch's own Flight Recorder (the worker serves it; torch numbers the calls per group).
+    assert seq["lines"][0] == "torch Flight Recorder, process group 0 (default_pg):", seq
+    assert seq["lines"][1].startswith("rank 0: in all_reduce at skip_collective.py:"), seq
+    assert seq["lines"][2].startswith("rank 1: in barrier at skip_collective.py:"), seq
+    flight = hang.evidence["flight_recorder"]
+    assert flight["0"]["0"]["in_flight"]["op"] == "all_reduce" and flight["1"]["0"]["in_flight"]["op"] == "barrier"
+    assert flight["0"]["0"]["in_flight"]["seq"] == flight["1"]["0"]["in_flight"]["seq"], flight
     report = Path(hang.evidence["report"]).read_text()
     assert "collective sequence (ranks in different collectives):" in report and "out of sequence: rank 1" in report

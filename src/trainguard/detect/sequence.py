@@ -14,12 +14,16 @@ the n-th of every other. So when ranks wait in different calls:
   an operation both ranks had made before (an established one, e.g. the loop's all_reduce) and the
   other is not: the rank that left the established operation with fewer calls than its peer
   skipped one of them. (Otherwise a skip and an extra call look alike: say so, name no rank.)
+
+The same comparison runs over torch's Flight Recorder (``flight_calls``), where torch numbers the
+calls per process group (the numbering that pairs them) and says which call a rank has in flight
+even when its Python stack shows none (NCCL: the main thread waits in a stream synchronise).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +31,27 @@ from typing import Protocol
 class CountsLike(Protocol):
     seq: int
     calls: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Counts:
+    seq: int
+    calls: Mapping[str, int]
+
+
+class InFlightLike(Protocol):
+    seq: int
+    op: str
+    state: str
+
+
+class GroupLike(Protocol):
+    """One rank's Flight Recorder view of one process group (probes/flight_recorder.GroupFlight)."""
+
+    pg: str
+    desc: str
+    in_flight: InFlightLike | None
+    history: Sequence[tuple[int, str]]
 
 
 @dataclass(frozen=True)
@@ -95,3 +120,25 @@ def _two_ranks(a: int, b: int, calls: Mapping[int, InCall], counts: Mapping[int,
             return [y], (f"rank {y} made {made_y} {op_x} calls to rank {x}'s {made_x} and went on to {op_y}: "
                          f"it skipped {'one' if made_x - made_y == 1 else made_x - made_y} (or rank {x} made extra)")
     return [], "two ranks at one sequence number: a skipped call and an extra one look alike"
+
+
+def flight_calls(groups: Mapping[int, Mapping[str, GroupLike]]
+                 ) -> tuple[str, dict[int, InCall], dict[int, Counts]]:  # fmt: skip
+    """From each rank's Flight Recorder groups (rank -> pg id -> view): the first process group
+    whose ranks have different calls in flight (another operation, or another sequence number),
+    as (its label, the calls, the counts for ``compare_sequences``); ("", {}, {}) when none.
+    Counts cover the calls every compared rank's buffer still holds, up to its call in flight."""
+    for pg in sorted({pg for gs in groups.values() for pg in gs}, key=lambda p: (len(p), p)):
+        views = {r: gs[pg] for r, gs in groups.items() if pg in gs and gs[pg].in_flight is not None}
+        if len(views) < 2 or len({(v.in_flight.seq, v.in_flight.op) for v in views.values()}) < 2:  # type: ignore[union-attr]
+            continue
+        lo = max(v.history[0][0] for v in views.values() if v.history) if any(v.history for v in views.values()) else 0
+        calls, counts = {}, {}
+        for r, v in sorted(views.items()):
+            now = v.in_flight
+            assert now is not None
+            calls[r] = InCall(now.op)
+            counts[r] = Counts(now.seq, Counter(op for seq, op in v.history if lo <= seq <= now.seq))
+        desc = next(iter(views.values())).desc
+        return f"process group {pg}" + (f" ({desc})" if desc else ""), calls, counts
+    return "", {}, {}

@@ -71,6 +71,7 @@ class StepTracker:
         self._keep = keep
         self._by_rank: dict[int, deque[StepSample]] = {}
         self._collectives: dict[int, Any] = {}  # rank -> ring_reader.CollectiveCounts (latest)
+        self._flight: dict[int, str] = {}  # rank -> the unix socket its Flight Recorder answers on
         self._lock = threading.Lock()
 
     def set_collectives(self, rank: int, counts: Any) -> None:
@@ -81,6 +82,15 @@ class StepTracker:
     def collectives(self) -> dict[int, Any]:
         with self._lock:
             return dict(self._collectives)
+
+    def set_flight_sockets(self, paths: dict[int, str]) -> None:
+        """Where this attempt's local ranks serve torch's Flight Recorder (probes/flight_recorder.py)."""
+        with self._lock:
+            self._flight = dict(paths)
+
+    def flight_sockets(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._flight)
 
     def record(self, sample: StepSample) -> None:
         with self._lock:
@@ -98,6 +108,7 @@ class StepTracker:
         with self._lock:
             self._by_rank.clear()
             self._collectives.clear()
+            self._flight.clear()
 
 
 @dataclass

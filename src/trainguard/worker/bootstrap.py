@@ -82,14 +82,18 @@ def _install(prefix: str) -> None:
     rec = spans.Recorder(writer, claim_path=path, on_claim=_claimed)
     spans.set_recorder(rec)
     os.register_at_fork(after_in_child=rec.detach)
-    when_imported("torch", lambda _mod: _install_torch(rec))
+    when_imported("torch", lambda _mod: _install_torch(rec, path))
     when_imported("torch.distributed.checkpoint", lambda mod: _install_dcp(rec, mod))
 
 
-def _install_torch(rec: Any) -> None:
-    from trainguard.worker import hooks
+def _install_torch(rec: Any, ring_path: str) -> None:
+    from trainguard.worker import flight, hooks
 
     errors = hooks.install(rec)
+    # torch's Flight Recorder served beside the ring: the hang monitor reads it from a hung rank.
+    why = flight.start(flight.socket_path(ring_path))
+    if why:
+        errors.append(why)
     if errors:
         print(f"trainguard: some profiling hooks unavailable: {'; '.join(errors)}", file=sys.stderr, flush=True)
 

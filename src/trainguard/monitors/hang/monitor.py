@@ -48,18 +48,19 @@ from trainguard.detect.progress import (
     phase_of,
     stopped_proof,
 )
-from trainguard.detect.sequence import InCall, SequenceFinding, compare_sequences
+from trainguard.detect.sequence import InCall, SequenceFinding, compare_sequences, flight_calls
 from trainguard.detect.waits import Wait, classify_wait
 from trainguard.evidence import HangEvidence, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.monitors.hang.exchange import HangExchange, NodeViews
 from trainguard.monitors.hang.report import HangReport, write_report
 from trainguard.options import SettingsError, given, number
-from trainguard.probes import nvml, proc, stacks, waits
+from trainguard.probes import flight_recorder, nvml, proc, stacks, waits
 
 log = logging.getLogger(__name__)
 
 STACK_TIMEOUT = 10.0
+FLIGHT_TIMEOUT = 2.0  # a worker's Flight Recorder answers from a C++ thread in ms, unless the process is stopped
 FOLLOW_STALLED_S = 0.5  # how often the agent's loop looks for the job's verdict while steps stall here
 FOLLOW_IDLE_S = 2.0  # ... and otherwise (a node that saw no stall still acts on the job's verdict)
 FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
@@ -233,6 +234,7 @@ class _Watch:
         self.exit_since: float | None = None  # when the workers were first seen shutting down
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
         self.last_dumps: dict[int, stacks.StackDump] = {}
+        self.last_flight: dict[int, flight_recorder.FlightView] = {}  # the ranks' Flight Recorders, with the dumps
         self.last_verdict: CulpritVerdict | None = None
         self.last_views: dict[int, RankView] = {}
         self.first_step_seen = False
@@ -478,6 +480,7 @@ class _Watch:
         self, pids: dict[int, int], steps: dict[int, list]
     ) -> tuple[CulpritVerdict, dict[int, stacks.StackDump], dict[int, RankView]]:
         dumps = stacks.dump_all(pids, timeout=STACK_TIMEOUT)
+        self.last_flight = read_flight(self.ctx.steps.flight_sockets(), dumps)
         views: dict[int, RankView] = {}
         for rank, d in dumps.items():
             main = d.main_thread()
@@ -667,7 +670,7 @@ class _Watch:
                        limit_s=round(sv.limit, 2), phase=sv.phase,
                        waits={str(r): w.to_dict() for r, w in sorted(self.waits.items())})  # fmt: skip
         shown = dataclasses.replace(a, rule=rule, message=sv.why, signals=signals)
-        seq = sequence_finding(verdict, ctx.steps.collectives())
+        seq = sequence_finding(verdict, ctx.steps.collectives(), self.last_flight)
         report = None
         try:
             report = write_report(ctx.run_dir, HangReport(now, ctx.node, ctx.restart_count, shown, verdict, dumps,
@@ -716,6 +719,8 @@ class _Watch:
             },
             "report": str(report) if report else None,
             **({"sequence": seq.to_dict()} if seq.lines else {}),
+            **({"flight_recorder": {str(r): v.to_dict() for r, v in sorted(self.last_flight.items())}}
+               if self.last_flight else {}),
             "attempt": ctx.restart_count,
             "recorded_by": ctx.node,
             **({"nodes": nodes} if nodes else {}),
@@ -727,9 +732,25 @@ class _Watch:
         )  # fmt: skip
 
 
-def sequence_finding(verdict: CulpritVerdict, counts: dict[int, object]) -> SequenceFinding:
-    """Ranks waiting in different collectives, compared by their collective counters (the
-    profiling monitor reads them from the rings into ``ctx.steps``; none without the hooks)."""
+def read_flight(sockets: dict[int, str], dumps: dict[int, stacks.StackDump]) -> dict[int, flight_recorder.FlightView]:
+    """The Flight Recorders of the local ranks whose stacks were dumped, except stopped ones (their
+    server thread is stopped too: it would only cost the timeout) and gone ones."""
+    paths = {r: p for r, p in sockets.items() if r in dumps and dumps[r].state not in ("", "T", "t", "Z", "X")}
+    return flight_recorder.read_all(paths, timeout=FLIGHT_TIMEOUT) if paths else {}
+
+
+def sequence_finding(verdict: CulpritVerdict, counts: dict[int, object],
+                     flight: dict[int, flight_recorder.FlightView] | None = None) -> SequenceFinding:
+    """Ranks waiting in different collectives, compared by torch's Flight Recorder where it shows
+    them (its numbering is per process group, and it knows the call an NCCL rank waits on from its
+    stream), else by the collective counters (the profiling monitor reads them from the rings into
+    ``ctx.steps``; none without the hooks) and the calls the stacks show."""
+    label, fcalls, fcounts = flight_calls({r: v.groups for r, v in (flight or {}).items() if v.groups})
+    if fcalls:
+        sites = {r: pos.site for r, pos in verdict.positions.items() if pos.site and pos.waiting}
+        found = compare_sequences({r: InCall(c.op, sites.get(r, "")) for r, c in fcalls.items()}, fcounts)
+        if found.lines:
+            return dataclasses.replace(found, lines=[f"torch Flight Recorder, {label}:"] + found.lines)
     calls = {}
     for r, pos in verdict.positions.items():
         if pos.kind == "collective" and pos.op:

@@ -34,11 +34,13 @@ from trainguard.detect import straggler as S
 from trainguard.monitors.api import Monitor, MonitorContext, StepSample
 from trainguard.monitors.straggler import StragglerMonitor, add_arguments, config_from
 from trainguard.options import positive
+from trainguard.probes import flight_recorder
 from trainguard.probes.ring_reader import RingNotReady, RingReader
 from trainguard.rundir import chaos_hold as hold
 from trainguard.rundir import profiling as pf
 from trainguard.worker import ring as R
 from trainguard.worker.bootstrap import ENV_FLAGS, ENV_RING_PREFIX
+from trainguard.worker.flight import socket_path as flight_socket
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +150,16 @@ class ProfilingMonitor(Monitor):
     # ---- agent hooks ------------------------------------------------------------------------------
     def worker_env(self, run_dir: Path) -> dict[str, str]:
         self._start(Path(run_dir))
-        return {ENV_RING_PREFIX: self.prefix, ENV_FLAGS: str(self.flags)}
+        # torch's Flight Recorder on (gloo's is off by default): the hang monitor reads it (probes/flight_recorder.py).
+        return {ENV_RING_PREFIX: self.prefix, ENV_FLAGS: str(self.flags), **flight_recorder.worker_env(dict(os.environ))}
 
     def on_workers_started(self, ctx: MonitorContext) -> None:
         self._start(ctx.run_dir)
         with self._lock:
             self._node, self._bus = ctx.node, ctx.events
-            self._expected = {w.global_rank: R.ring_path(self.prefix, ctx.restart_count, w.global_rank) for w in ctx.workers}
+            self._expected = expected = {w.global_rank: R.ring_path(self.prefix, ctx.restart_count, w.global_rank)
+                                         for w in ctx.workers}  # fmt: skip
+        ctx.steps.set_flight_sockets({r: flight_socket(p) for r, p in expected.items()})
 
     def on_workers_failed(self, ctx: MonitorContext, failures: dict) -> None:
         self._tick()  # rings the background thread has not opened yet (an attempt shorter than a tick)
@@ -403,11 +408,11 @@ def _same_worker(ring_pid: int, worker_pid: int) -> bool:
         return False
 
 
-_RING_NAME = re.compile(r"trainguard-(\d+)-[0-9a-f]{8}-a\d+-r\d+")
+_RING_NAME = re.compile(r"trainguard-(\d+)-[0-9a-f]{8}-a\d+-r\d+(\.fr)?")  # a ring, or its flight recorder socket
 
 
 def sweep_rings(prefix: str | None = None) -> list[str]:
-    """Unlink ring files of this agent (``prefix``), or, without one, of agents no longer alive."""
+    """Unlink ring files (and flight recorder sockets) of this agent (``prefix``), or, without one, of agents no longer alive."""
     removed = []
     d = R.shm_dir()
     try:
