@@ -3,7 +3,8 @@
     python bench/checkpoint.py [--state-mb 128] [--every 5] [--pairs 4] [--repeats 4] [--json FILE]
                                [--replication-rounds 4] [--replication-only]
 
-One process trains an MLP with Adam on CPU (model + optimizer state of about --state-mb MB) and
+One process trains an MLP with Adam on CPU (``--device cuda``: on the GPU; model + optimizer state
+of about --state-mb MB) and
 checkpoints with each backend in turn, rounds interleaved so that machine noise hits all alike:
 
 - torch.save:  ``torch.save(state, tmp); os.replace(tmp, path)`` on the training thread;
@@ -153,7 +154,7 @@ def print_replication(rep: dict, step_s: float) -> None:
               f"a snapshot is at its buddy {lag:.1f} steps after its save, median; saving every step: <= {1 + math.ceil(lag)}")
 
 
-def build(state_mb: float):
+def build(state_mb: float, device: str = "cpu"):
     import torch
     from torch import nn
 
@@ -161,14 +162,16 @@ def build(state_mb: float):
     width = 1024
     layers = max(1, round(state_mb * 1e6 / (12 * width * width)))
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(32, width)
+    x = torch.randn(32, width, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
+        sync()  # a step ends when the GPU is done with it: the stall is then training time lost
 
     step()  # creates the optimizer state
     return model, opt, step
@@ -305,6 +308,8 @@ def main() -> int:
     p.add_argument("--every", type=int, default=5, help="steps per window (a save every 2 windows)")
     p.add_argument("--pairs", type=int, default=4, help="saves per backend per round")
     p.add_argument("--repeats", type=int, default=4, help="interleaved rounds")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model and its Adam state live (cuda: the snapshot copies device to host)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir on the current disk)")
     p.add_argument("--json", default=None, help="also write the numbers to this file")
     p.add_argument("--replication-rounds", type=int, default=4,
@@ -335,7 +340,7 @@ def main() -> int:
         env = json.loads(agent.stdout.readline())
         ckpt_dir = Path(env["TRAINGUARD_CKPT_DIR"])
         ckpt = Checkpointer(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), ckpt_dir, 0, 1)
-        model, opt, step_fn = build(args.state_mb)
+        model, opt, step_fn = build(args.state_mb, args.device)
         nbytes = state_bytes({"model": model.state_dict(), "optim": opt.state_dict()})
         print(f"state {nbytes / 1e6:.0f} MB (model + Adam), torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, checkpoints in {base}")
