@@ -141,7 +141,9 @@ def ask(path: str, handler: str, timeout: float = TIMEOUT_S) -> dict[str, Any] |
     (no server, no answer in time) or ValueError (not JSON, too big)."""
     conn = _UnixConnection(path, timeout)
     try:
-        conn.request("POST", f"/handler/{handler}")
+        # No stack per entry (NCCL records one; its handlers default to sending them): the
+        # sequence needs none, and 2000 of them would make the answer megabytes.
+        conn.request("POST", f"/handler/{handler}?includestacktraces=false")
         resp = conn.getresponse()
         body = resp.read(MAX_BYTES + 1)
     except http.client.HTTPException as exc:  # (a timeout is an OSError already)
