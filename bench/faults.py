@@ -176,10 +176,14 @@ def rescue_like_the_next_agent(dead_agent: int, ckpt: Path, shm_root: Path) -> i
     """The shared memory a SIGKILLed agent left (its newest snapshots) in its node's ``shm_root``
     is taken by the next agent that starts on the node: persisted to the dead one's checkpoint
     dir, then removed. Do that for its directories only (moved aside first, so no other job's are
-    touched); raises when one is still held (its owner alive) or its snapshots were not persisted."""
+    touched); raises when one is still held (its owner alive) or its snapshots were not persisted.
+    Before that the next agent removes the ring files and Flight Recorder sockets of agents no
+    longer alive (``sweep_rings``, the first thing its profiling monitor does)."""
     from trainguard.checkpoint.persist import rescue_orphan
     from trainguard.checkpoint.shm import DIR_PREFIX, remove_stale_dirs
+    from trainguard.monitors.profiling.monitor import sweep_rings
 
+    sweep_rings()
     mine = [n for n in os.listdir(shm_root) if n.startswith(f"{DIR_PREFIX}{dead_agent}-")]
     if not mine:
         return 0

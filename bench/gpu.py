@@ -167,26 +167,31 @@ def s_nodecheck(kit: Kit) -> Result:
     return _verdict("nodecheck", p.returncode, Path("-"), p.stderr, checks, out)
 
 
-def _sample_utilization(seconds: float, proc: subprocess.Popen) -> list[float]:
-    """NVML's utilisation of GPU 0 every 0.5 s for ``seconds`` (or until the job ends)."""
+def _sample_utilization(seconds: float, proc: subprocess.Popen, all_gpus: bool = False) -> list:
+    """NVML's utilisation every 0.5 s for ``seconds`` (or until the job ends): of GPU 0, or of
+    every GPU (a list per sample)."""
     from trainguard.probes import nvml
 
-    samples: list[float] = []
+    n = (nvml.device_count() or 1) if all_gpus else 1
+    samples: list = []
     end = time.monotonic() + seconds
     while time.monotonic() < end and proc.poll() is None:
-        u = nvml.utilization([0])
+        u = nvml.utilization(list(range(n)))
         if u:
-            samples.append(u[0])
+            samples.append(u if all_gpus else u[0])
         time.sleep(0.5)
     return samples
 
 
+def _output(kit: Kit, name: str) -> str:
+    return (kit.work / f"{name}.log").read_text(errors="replace")
+
+
 def _wait_output(kit: Kit, name: str, proc: subprocess.Popen, needle: str, timeout: float = 120.0) -> bool:
     """Wait until the job's output shows ``needle`` (the fault began); False if it ended or never did."""
-    log = kit.work / f"{name}.log"
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:
-        if needle in log.read_text(errors="replace"):
+        if needle in _output(kit, name):
             return True
         time.sleep(0.2)
     return False
@@ -260,14 +265,25 @@ def s_checkpoint(kit: Kit) -> Result:
 
 
 def _hang_case(kit: Kit, name: str, mode: str, *job_args: str, flags: tuple[str, ...] = ()
-               ) -> tuple[int, Path, str, list, list]:  # fmt: skip
-    rc, run_dir, tail, _ = kit.job(name, 2, mode, "--rank", "1", *job_args, flags=(*HANG_FLAGS, *flags))
-    return rc, run_dir, tail, events(run_dir, "hang_detected"), events(run_dir, "job_succeeded")
+               ) -> tuple[int, Path, str, list, list, dict]:  # fmt: skip
+    def during(run_dir: Path, proc: subprocess.Popen) -> dict:
+        # NVML's view of the hung job (what the seed's utilisation rule sees), until the verdict.
+        if kit.cpu or not _wait_output(kit, name, proc, f"{mode} at step"):
+            return {}
+        samples = []
+        end = time.monotonic() + 60
+        while time.monotonic() < end and proc.poll() is None and "[hang_detected]" not in _output(kit, name):
+            samples += _sample_utilization(0.5, proc, all_gpus=True)
+        return {"utilization_while_hung": samples}
+
+    rc, run_dir, tail, seen = kit.job(name, 2, mode, "--rank", "1", *job_args, flags=(*HANG_FLAGS, *flags),
+                                      during=during)  # fmt: skip
+    return rc, run_dir, tail, events(run_dir, "hang_detected"), events(run_dir, "job_succeeded"), seen
 
 
 def s_sigstop(kit: Kit) -> Result:
-    rc, run_dir, tail, hangs, ok = _hang_case(kit, "sigstop", "sigstop")
-    data = {"hang_detected": [e.message for e in hangs]}
+    rc, run_dir, tail, hangs, ok, seen = _hang_case(kit, "sigstop", "sigstop")
+    data = {**seen, "hang_detected": [e.message for e in hangs]}
     checks = {"hang detected": bool(hangs), "culprit rank 1": bool(hangs) and hangs[0].evidence.get("culprit") == 1,
               "restarted and succeeded": rc == 0 and bool(ok)}  # fmt: skip
     return _verdict("sigstop", rc, run_dir, tail, checks, data)
@@ -276,20 +292,20 @@ def s_sigstop(kit: Kit) -> Result:
 def s_sleep(kit: Kit) -> Result:
     # A sleep is proof only of its own length: one that outlasts the seed's window (--hang-detect-time,
     # 0.5 min here) is judged at once; a shorter one would only be suspected.
-    rc, run_dir, tail, hangs, ok = _hang_case(kit, "sleep", "sleep", "--seconds", "600",
-                                              flags=("--hang-detect-time", "0.5"))  # fmt: skip
+    rc, run_dir, tail, hangs, ok, seen = _hang_case(kit, "sleep", "sleep", "--seconds", "600",
+                                                    flags=("--hang-detect-time", "0.5"))  # fmt: skip
     suspected = events(run_dir, "hang_suspected")
-    data = {"hang_suspected": [e.message for e in suspected], "hang_detected": [e.message for e in hangs]}
+    data = {**seen, "hang_suspected": [e.message for e in suspected], "hang_detected": [e.message for e in hangs]}
     checks = {"hang detected": bool(hangs), "culprit rank 1": bool(hangs) and hangs[0].evidence.get("culprit") == 1,
               "restarted and succeeded": rc == 0 and bool(ok)}  # fmt: skip
     return _verdict("sleep", rc, run_dir, tail, checks, data)
 
 
 def s_mismatch(kit: Kit) -> Result:
-    rc, run_dir, tail, hangs, ok = _hang_case(kit, "mismatch", "skip")
+    rc, run_dir, tail, hangs, ok, seen = _hang_case(kit, "mismatch", "skip")
     seq = hangs[0].evidence.get("sequence", {}) if hangs else {}
     flight = hangs[0].evidence.get("flight_recorder", {}) if hangs else {}
-    data = {"sequence": seq, "flight_recorder": flight, "hang_detected": [e.message for e in hangs]}
+    data = {**seen, "sequence": seq, "flight_recorder": flight, "hang_detected": [e.message for e in hangs]}
     lines = seq.get("lines", [])
     checks = {"hang detected": bool(hangs), "every rank's Flight Recorder read": len(flight) == 2,
               "the sequence comes from the Flight Recorder": bool(lines) and lines[0].startswith("torch Flight Recorder"),

@@ -747,7 +747,9 @@ def sequence_finding(verdict: CulpritVerdict, counts: dict[int, object],
     ``ctx.steps``; none without the hooks) and the calls the stacks show."""
     label, fcalls, fcounts = flight_calls({r: v.groups for r, v in (flight or {}).items() if v.groups})
     if fcalls:
-        sites = {r: pos.site for r, pos in verdict.positions.items() if pos.site and pos.waiting}
+        # The call site where the stack shows the rank in a collective; not where an NCCL rank
+        # waits for its stream (that line is no collective's).
+        sites = {r: pos.site for r, pos in verdict.positions.items() if pos.site and pos.kind in ("collective", "backward")}
         found = compare_sequences({r: InCall(c.op, sites.get(r, "")) for r, c in fcalls.items()}, fcounts)
         if found.lines:
             return dataclasses.replace(found, lines=[f"torch Flight Recorder, {label}:"] + found.lines)
