@@ -21,6 +21,8 @@ are spent on it.
   oom               CUDA out of memory on rank 0, diagnosed live (category cuda_oom, rank 0)
   checkpoint        bench/checkpoint.py with the model and Adam state on the GPU: the snapshot's
                     training stall against torch.save (goal <= 0.05 x)
+  nodecheck-local   (2 GPUs) ``trainguard nodecheck --local N``: every GPU a simulated node, paired
+                    NCCL groups (each simulated node sees its own GPU)
   sigstop           (2 GPUs) a SIGSTOPped rank in an NCCL job: hang verdict names it, restart, success
   sleep             (2 GPUs) a rank sleeping before its all-reduce: named, restarted, success
   mismatch          (2 GPUs) a rank that skipped an all-reduce: the hang report's sequence from
@@ -165,6 +167,21 @@ def s_nodecheck(kit: Kit) -> Result:
               f"GEMM measured: {json.dumps({k: v for k, v in out.items() if 'gemm' in k or 'tflops' in k})[:200]}":
                   any("tflops" in k or "gemm" in k for k in out)}  # fmt: skip
     return _verdict("nodecheck", p.returncode, Path("-"), p.stderr, checks, out)
+
+
+def s_nodecheck_local(kit: Kit) -> Result:
+    # Every GPU a simulated node of its own, in pairs over NCCL (the paired check of a multi-node job).
+    p = subprocess.run([sys.executable, "-m", "trainguard", "nodecheck", "--local", str(kit.ngpu), "--json"],
+                       capture_output=True, text=True, timeout=JOB_TIMEOUT_S)  # fmt: skip
+    try:
+        out = json.loads(p.stdout)
+    except ValueError:
+        return Result("nodecheck-local", "fail", f"exit {p.returncode}: {(p.stdout + p.stderr)[-800:]}")
+    results = out.get("results", [])
+    data = {"faulty": out.get("faulty"), "stragglers": out.get("stragglers"), "results": results}
+    checks = {f"{kit.ngpu} simulated nodes, healthy (exit {p.returncode})": p.returncode == 0 and not out.get("faulty"),
+              "every group's test ran": bool(results) and all(r.get("ok") for r in results)}  # fmt: skip
+    return _verdict("nodecheck-local", p.returncode, Path("-"), p.stderr, checks, data)
 
 
 def _sample_utilization(seconds: float, proc: subprocess.Popen, all_gpus: bool = False) -> list:
@@ -343,6 +360,7 @@ SCENARIOS = [
     Scenario("flight-recorder", 1, s_flight_recorder, dry=True),
     Scenario("oom", 1, s_oom),
     Scenario("checkpoint", 1, s_checkpoint),
+    Scenario("nodecheck-local", 2, s_nodecheck_local),
     Scenario("sigstop", 2, s_sigstop, dry=True),
     Scenario("sleep", 2, s_sleep, dry=True),
     Scenario("mismatch", 2, s_mismatch, dry=True),

@@ -82,3 +82,14 @@ def test_timeouts_are_finite_and_bounded():
             seconds(bad)
     assert seconds("5") == 5.0 and seconds(str(MAX_SECONDS)) == MAX_SECONDS
     assert number("an integer", integer=True, maximum=10)("10") == 10
+
+
+def test_local_simulated_nodes_each_get_their_own_gpu() -> None:
+    # NCCL refuses two ranks of one group on one GPU: with --local on a GPU machine every simulated
+    # node's benchmark sees its own device (round robin when there are fewer GPUs than nodes).
+    from trainguard.checks.nodecheck_cli import local_gpu_env
+
+    assert local_gpu_env(0, 0, None) == {}  # no GPU: nothing changes (gloo on the CPU)
+    assert [local_gpu_env(i, 4, None) for i in range(5)] == [{"CUDA_VISIBLE_DEVICES": d} for d in "01230"]
+    assert local_gpu_env(1, 2, "5, 7") == {"CUDA_VISIBLE_DEVICES": "7"}  # the user's own selection kept
+    assert local_gpu_env(2, 2, "GPU-aaaa,GPU-bbbb") == {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import sys
 import threading
 from datetime import timedelta
@@ -129,13 +130,26 @@ def _is_ip(host: str) -> bool:
         return False
 
 
+def local_gpu_env(node: int, gpus: int, visible: str | None) -> dict[str, str]:
+    """A simulated node's own GPU (``--local``): each benchmark process uses its first visible
+    device, and NCCL refuses two ranks of one group on one GPU. Node i gets the i-th of the
+    visible GPUs (``CUDA_VISIBLE_DEVICES`` when set, else all), round robin when there are fewer
+    GPUs than nodes (then groups may share one: ``--backend gloo`` checks them)."""
+    if gpus < 1:
+        return {}
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpus)]
+    return {"CUDA_VISIBLE_DEVICES": ids[node % len(ids)]} if ids else {}
+
+
 def _run_local(
     args: argparse.Namespace, cfg: NodeCheckConfig
 ) -> tuple[Verdict, dict[int, list[dict[str, Any]]]]:
+    import torch
     from torch.distributed import TCPStore
 
     n = args.local
     chaos = _chaos_map(args.chaos, n)
+    gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     server = bound_store("127.0.0.1", timeout_s=60)  # loopback only (torch's would listen everywhere)
     checkers = []
     for i in range(n):
@@ -143,7 +157,8 @@ def _run_local(
             **{
                 **cfg.__dict__,
                 "advertise_addr": "127.0.0.1",
-                "env": {CHAOS_ENV: chaos[i]} if i in chaos else {},
+                "env": {**({CHAOS_ENV: chaos[i]} if i in chaos else {}),
+                        **local_gpu_env(i, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))},
             }
         )
         client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
