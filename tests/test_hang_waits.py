@@ -275,6 +275,37 @@ def test_hang_waits_healthy_wait_is_a_named_suspicion_not_a_hang(tmp_path: Path,
 
 
 @pytest.mark.slow
+def test_hang_waits_async_collective_waited_on_is_no_own_lock(tmp_path: Path) -> None:
+    # Rank 0 in Work.wait() of an async all_reduce (a futex from its own line, one Python thread)
+    # while rank 1 is 15 s late to join: gloo's native thread releases that wait, so it is no
+    # self-deadlock. torch's Flight Recorder shows the call in flight. Before: "re-acquiring its
+    # own lock", a healthy job killed after 9 s.
+    from hang_harness import hang_events, run_job
+
+    from trainguard.monitors.hang.monitor import HangMonitor
+
+    cfg = HangConfig(period=0.5, step_slack=3.0)
+    attempts, detected = run_job(tmp_path, HangMonitor(cfg), 2, ["--pattern", "async_peer_pause", "--wait-s", "15"],
+                                 deadline_s=300.0, max_attempts=1, worker=WAITS)  # fmt: skip
+    seen = [(e.kind, e.message) for e in hang_events(tmp_path)]
+    assert detected == [] and attempts[0].decision is None, seen
+    assert attempts[0].returncodes == {0: 0, 1: 0}, seen
+    waits = [e.evidence.get("wait") or {} for e in hang_events(tmp_path) if e.kind == "hang_suspected"]
+    assert any("all_reduce #" in (w.get("what") or "") and "in flight" in w["what"] for w in waits), seen
+
+
+def test_a_futex_with_a_collective_in_flight_is_not_proof() -> None:
+    from types import SimpleNamespace
+
+    frames = [SimpleNamespace(name="step", filename="/home/u/train.py", line=40)]
+    facts = SimpleNamespace(syscall=SimpleNamespace(name="futex", args=[1, 128, 0, 0]), children=[], fds=[],
+                            lock_holders=[], lock_self=False, sleep_left=None, wchan="")  # fmt: skip
+    assert classify_wait(facts, frames, 1).dead  # the own-lock rule, unchanged without a collective in flight
+    w = classify_wait(facts, frames, 1, "all_reduce #21 of process group 0 (default_pg)")
+    assert not w.dead and "all_reduce #21" in w.what and "in flight" in w.what
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("pattern", "culprit", "kind"), [("http_server_stopped", 0, "poll"), ("p2p_recv", 1, None),
                                                           ("own_lock", 0, "lock")])  # fmt: skip
 def test_hang_waits_dead_wait_detected_with_culprit(tmp_path: Path, pattern: str, culprit: int, kind: str | None) -> None:

@@ -74,6 +74,12 @@ PATTERNS: dict[str, Pattern] = {
                        "rank 1 waits in the next step's collective"),
     "lightning_val": Pattern(True, None, True, "Lightning validation: rank 0 runs an evaluator child that idles, "
                              "rank 1 waits in the next collective"),
+    # Async collectives (FSDP's prefetch, comm hooks, overlapped metrics): rank 0 waits in
+    # Work.wait() on a C++ condition its backend's thread releases, while rank 1 is late to join.
+    "async_peer_pause": Pattern(True, None, False, "rank 0 in Work.wait() of an async all_reduce while rank 1 "
+                                "pauses in its own code (sleeps) before joining it"),
+    "async_peer_busy": Pattern(True, None, True, "rank 0 in Work.wait() of an async all_reduce while rank 1 "
+                               "computes (busy) before joining it"),
     "server_stall": Pattern(True, None, False, "rank 0's HTTP request: the server accepts and sends nothing for "
                             "the whole wait, then answers"),
     # --- faults: the same waits made dead ---------------------------------------------------------
@@ -82,6 +88,8 @@ PATTERNS: dict[str, Pattern] = {
     "child_stopped": Pattern(False, 0, False, "rank 0's child stops (SIGSTOP) while rank 0 waits for it"),
     "p2p_recv": Pattern(False, 1, False, "rank 1 in dist.recv(src=0) that is never sent, rank 0 in all_reduce"),
     "rank_stopped": Pattern(False, 1, True, "rank 1 stops (SIGSTOP) while rank 0 waits in a barrier"),
+    "async_peer_stopped": Pattern(False, 1, False, "rank 1 stops (SIGSTOP) while rank 0 waits in Work.wait() of "
+                                  "an async all_reduce"),
     "pipe_no_writer": Pattern(False, 0, False, "rank 0 reads a pipe whose only writer is itself"),
     "own_lock": Pattern(False, 0, False, "rank 0 re-acquires a threading.Lock it holds"),
     "flock_holder_stopped": Pattern(False, 0, True, "the flock holder freezes (SIGSTOP)"),
@@ -464,10 +472,26 @@ def p2p_recv(c: Ctx) -> None:
         dist.all_reduce(t)
 
 
-def rank_stopped(c: Ctx) -> None:
+def rank_stopped(c: Ctx, name: str = "rank_stopped") -> None:
     if c.rank == 1:
-        fault("rank_stopped", 1)
+        fault(name, 1)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def async_all_reduce(c: Ctx, late: Callable[[], None]) -> None:
+    """Both ranks all-reduce asynchronously; rank 1 does ``late`` first, rank 0 waits in Work.wait()."""
+    t = torch.ones(1024)
+    if c.rank == 1:
+        late()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+
+
+def busy_for(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = torch.randn(64, 64)
+    while time.monotonic() < end:
+        x = torch.tanh(x @ x)
 
 
 WAITS: dict[str, Callable[[Ctx], None]] = {
@@ -490,11 +514,14 @@ WAITS: dict[str, Callable[[Ctx], None]] = {
     "hf_eval": hf_eval,
     "lightning_val": lightning_val,
     "server_stall": server_stall,
+    "async_peer_pause": lambda c: async_all_reduce(c, lambda: time.sleep(c.wait)),
+    "async_peer_busy": lambda c: async_all_reduce(c, lambda: busy_for(c.wait)),
     "http_server_stopped": lambda c: http_download(c, stop=c.live),
     "stream_peer_stopped": lambda c: socket_stream(c, stop=c.live),
     "child_stopped": lambda c: child_stopped(c) if c.live else child_idle(c),
     "p2p_recv": lambda c: p2p_recv(c) if c.live else None,
     "rank_stopped": lambda c: rank_stopped(c) if c.live else None,
+    "async_peer_stopped": lambda c: async_all_reduce(c, lambda: rank_stopped(c, "async_peer_stopped") if c.live else None),
     "pipe_no_writer": lambda c: pipe_no_writer(c) if c.live else None,
     "own_lock": lambda c: own_lock(c) if c.live else None,
     "flock_holder_stopped": lambda c: flock_wait(c, stop=c.live),

@@ -132,9 +132,12 @@ def _innermost_user(frames: Sequence[FrameLike]) -> bool:
     return bool(frames) and not is_library(frames[0].filename)
 
 
-def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: int = 0) -> Wait:
+def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: int = 0,
+                  in_flight: str = "") -> Wait:  # fmt: skip
     """The wait of one rank's main thread. ``facts``: probes.waits.WaitFacts; ``frames``: its
-    Python stack, innermost first; ``python_threads``: threads with Python frames (py-spy)."""
+    Python stack, innermost first; ``python_threads``: threads with Python frames (py-spy);
+    ``in_flight``: the collective torch's Flight Recorder shows the rank has started and not
+    finished ("all_reduce #12 of process group 0"), if any."""
     if frames and frames[0].name == CHAOS_HOLD:
         return Wait("chaos", True, "trainguard chaos hang", "held by `trainguard chaos hang` until the job restarts")
     call = facts.syscall.name
@@ -172,20 +175,26 @@ def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: 
     if call in _SYNC_CALLS:
         return Wait("sync", False, f"{call}() flushing to storage", syscall=call)
     if call == "futex":
-        return _futex(facts, frames, python_threads)
+        return _futex(facts, frames, python_threads, in_flight)
     if call == "running":
         return Wait("running", False, "on CPU", syscall=call)
     return Wait("unknown", False, f"system call {call or 'unreadable'}" + (f" ({facts.wchan})" if facts.wchan else ""),
                 syscall=call)  # fmt: skip
 
 
-def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int) -> Wait:
+def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int, in_flight: str = "") -> Wait:
     """A lock or condition. From the rank's own code with no timeout and no other Python thread
-    that could ever release it, it is the rank re-acquiring a lock it holds."""
+    that could ever release it, it is the rank re-acquiring a lock it holds; unless the rank has a
+    collective in flight: a native thread of its backend releases the condition that
+    ``Work.wait()`` (an async collective) waits on when the peers join, and no Python thread takes
+    part in that."""
     args = facts.syscall.args
     no_timeout = len(args) >= 4 and args[3] == 0
     where = f"{frames[0].filename.rsplit('/', 1)[-1]}:{frames[0].line} in {frames[0].name}" if frames else "?"
     what = f"a lock at {where}"
+    if in_flight:
+        return Wait("lock", False, f"{what}, with {in_flight} in flight (its completion releases a Work.wait())",
+                    syscall="futex")  # fmt: skip
     if no_timeout and _innermost_user(frames) and python_threads == 1:
         return Wait("lock", True, what, "no timeout and no other Python thread could release it (re-acquiring its "
                     "own lock)", syscall="futex")  # fmt: skip

@@ -449,7 +449,8 @@ class _Watch:
             main = dump.main_thread() if dump else None
             threads = sum(1 for t in dump.threads if t.frames) if dump else 0
             try:
-                w = classify_wait(waits.wait_facts(pids[r]), main.frames if main else (), threads)
+                w = classify_wait(waits.wait_facts(pids[r]), main.frames if main else (), threads,
+                                  in_flight_of(self.last_flight.get(r)))  # fmt: skip
             except Exception:  # a probe must never end the watch
                 log.exception("hang: could not read what rank %s waits on", r)
                 continue
@@ -730,6 +731,15 @@ class _Watch:
             culprit, rule, reason, list(verdict.causes) if level == "detected" else [], evidence["report"],
             ctx.restart_count, level=level, progress=progress_kind, doing=sv.why, recorded_by=ctx.node,
         )  # fmt: skip
+
+
+def in_flight_of(view: flight_recorder.FlightView | None) -> str:
+    """The collective a rank has started and not finished, per its Flight Recorder ("" if none
+    or unknown): an async collective's Work.wait() waits on it."""
+    for g in view.groups.values() if view is not None else ():
+        if g.in_flight is not None:
+            return f"{g.in_flight.op} #{g.in_flight.seq} of process group {g.pg}" + (f" ({g.desc})" if g.desc else "")
+    return ""
 
 
 def read_flight(sockets: dict[int, str], dumps: dict[int, stacks.StackDump]) -> dict[int, flight_recorder.FlightView]:
