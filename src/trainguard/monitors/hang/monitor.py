@@ -234,7 +234,10 @@ class _Watch:
         self.exit_since: float | None = None  # when the workers were first seen shutting down
         self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
         self.last_dumps: dict[int, stacks.StackDump] = {}
-        self.last_flight: dict[int, flight_recorder.FlightView] = {}  # the ranks' Flight Recorders, with the dumps
+        # The ranks' Flight Recorders, read since the last stack dumps: only when a question needs
+        # them (an own-lock proof, a verdict's sequence). Read every round, they delayed proofs
+        # that a helper process was stopped by ~4 s (bench/hang.py, 2026-11-29).
+        self.last_flight: dict[int, flight_recorder.FlightView] = {}
         self.last_verdict: CulpritVerdict | None = None
         self.last_views: dict[int, RankView] = {}
         self.first_step_seen = False
@@ -437,6 +440,14 @@ class _Watch:
         others = self._others(0.0, declared=False)
         return any(classify(v).waiting for nv in others.values() for v in nv.views.values())
 
+    def _flight(self, ranks: list[int]) -> dict[int, flight_recorder.FlightView]:
+        """These ranks' Flight Recorders, read once per stack dump (``last_flight``)."""
+        missing = [r for r in ranks if r not in self.last_flight]
+        if missing:
+            sockets = {r: p for r, p in self.ctx.steps.flight_sockets().items() if r in missing}
+            self.last_flight.update(read_flight(sockets, self.last_dumps))
+        return self.last_flight
+
     def _waits(self, verdict: CulpritVerdict, pids: dict[int, int]) -> dict[int, Wait]:
         """What every rank outside a collective waits on, from the kernel (probes.waits) and its
         innermost frames (detect.waits). A wait counts as dead only when two rounds in a row
@@ -449,8 +460,10 @@ class _Watch:
             main = dump.main_thread() if dump else None
             threads = sum(1 for t in dump.threads if t.frames) if dump else 0
             try:
-                w = classify_wait(waits.wait_facts(pids[r]), main.frames if main else (), threads,
-                                  in_flight_of(self.last_flight.get(r)))  # fmt: skip
+                facts = waits.wait_facts(pids[r])
+                w = classify_wait(facts, main.frames if main else (), threads)
+                if w.dead and w.kind == "lock":  # an own-lock proof, unless a collective is in flight
+                    w = classify_wait(facts, main.frames if main else (), threads, in_flight_of(self._flight([r]).get(r)))
             except Exception:  # a probe must never end the watch
                 log.exception("hang: could not read what rank %s waits on", r)
                 continue
@@ -481,7 +494,7 @@ class _Watch:
         self, pids: dict[int, int], steps: dict[int, list]
     ) -> tuple[CulpritVerdict, dict[int, stacks.StackDump], dict[int, RankView]]:
         dumps = stacks.dump_all(pids, timeout=STACK_TIMEOUT)
-        self.last_flight = read_flight(self.ctx.steps.flight_sockets(), dumps)
+        self.last_flight = {}  # read only when a question needs it (see _flight)
         views: dict[int, RankView] = {}
         for rank, d in dumps.items():
             main = d.main_thread()
@@ -671,6 +684,8 @@ class _Watch:
                        limit_s=round(sv.limit, 2), phase=sv.phase,
                        waits={str(r): w.to_dict() for r, w in sorted(self.waits.items())})  # fmt: skip
         shown = dataclasses.replace(a, rule=rule, message=sv.why, signals=signals)
+        if level == "detected":  # the verdict's sequence, from every local rank's recorder
+            self._flight(sorted(verdict.positions))
         seq = sequence_finding(verdict, ctx.steps.collectives(), self.last_flight)
         report = None
         try:
