@@ -132,7 +132,7 @@ def flight_calls(groups: Mapping[int, Mapping[str, GroupLike]]
         views = {r: gs[pg] for r, gs in groups.items() if pg in gs and gs[pg].in_flight is not None}
         if len(views) < 2 or len({(v.in_flight.seq, v.in_flight.op) for v in views.values()}) < 2:  # type: ignore[union-attr]
             continue
-        lo = max(v.history[0][0] for v in views.values() if v.history) if any(v.history for v in views.values()) else 0
+        lo = max((v.history[0][0] for v in views.values() if v.history), default=0)
         calls, counts = {}, {}
         for r, v in sorted(views.items()):
             now = v.in_flight

@@ -62,13 +62,17 @@ class GroupFlight:
 
     pg: str  # "0" (the default group), torch's pg id
     desc: str  # "default_pg", or the name the user gave it
-    last_seq: int  # the newest collective the rank has called in the group
     in_flight: InFlight | None  # its oldest call not finished, if any
     history: tuple[tuple[int, str], ...] = ()  # (seq, op) of the calls still in the buffer, oldest first
 
     @property
     def first_seq(self) -> int:
         return self.history[0][0] if self.history else 0
+
+    @property
+    def last_seq(self) -> int:
+        """The newest collective the rank has called in the group."""
+        return self.history[-1][0] if self.history else 0
 
 
 @dataclass(frozen=True)
@@ -109,14 +113,10 @@ def parse(rank: int, dumps: list[dict[str, Any]]) -> FlightView:
     groups = {}
     for pg, entries in by_pg.items():
         entries.sort(key=lambda e: e["collective_seq_id"])
-        pending = [e for e in entries if not _finished(e)]
-        first = pending[0] if pending else None
-        groups[pg] = GroupFlight(
-            pg, desc[pg], entries[-1]["collective_seq_id"],
-            None if first is None else InFlight(first["collective_seq_id"], op_name(str(first.get("profiling_name", ""))),
-                                                str(first.get("state", ""))),
-            tuple((e["collective_seq_id"], op_name(str(e.get("profiling_name", "")))) for e in entries),
-        )  # fmt: skip
+        history = tuple((e["collective_seq_id"], op_name(str(e.get("profiling_name", "")))) for e in entries)
+        pending = next((i for i, e in enumerate(entries) if not _finished(e)), None)
+        in_flight = None if pending is None else InFlight(*history[pending], str(entries[pending].get("state", "")))
+        groups[pg] = GroupFlight(pg, desc[pg], in_flight, history)
     return FlightView(rank, groups)
 
 
