@@ -26,12 +26,12 @@ from trainguard.events.model import Event
 from trainguard.events.store import EventStore
 from trainguard.evidence import HangEvidence
 from trainguard.monitors.api import MonitorContext, StepSample, StepTracker, WorkerInfo
+from trainguard.monitors.autoinstrument import AutoInstrument
 from trainguard.monitors.hang.monitor import HangMonitor
 from trainguard.monitors.profiling.monitor import sweep_rings
 from trainguard.policy import Action, Decision, decide_on_hang
 from trainguard.probes import flight_recorder
 from trainguard.worker import flight, ring
-from trainguard.worker.bootstrap import SITE_DIR
 
 HANG_KINDS = ["hang_suspected", "hang_detected", "hang_cleared"]
 
@@ -120,8 +120,7 @@ def run_attempt(
     # The workers run trainguard's worker bootstrap as under `trainguard run` (its sitecustomize,
     # a ring prefix): each serves torch's Flight Recorder beside its ring (worker/flight.py).
     prefix = os.path.join(ring.shm_dir(), f"trainguard-{os.getpid()}-{secrets.token_hex(4)}")
-    env.update(TRAINGUARD_RING_PREFIX=prefix, PYTHONPATH=os.pathsep.join(
-        [SITE_DIR, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]))
+    env.update(AutoInstrument().worker_env(run_dir), TRAINGUARD_RING_PREFIX=prefix)  # its sitecustomize
     env.update(flight_recorder.worker_env(env))
     steps.set_flight_sockets({r: flight.socket_path(ring.ring_path(prefix, attempt, r)) for r in range(world)})
     procs: list[subprocess.Popen] = []
