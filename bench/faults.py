@@ -16,7 +16,9 @@ Each fault is injected with `trainguard chaos` into a job that trains; one row p
 kill-node-standby (DDP, the disk held back as below) starts a fourth agent with --standby beside
 the three: it joins the rendezvous once the job's round of three formed, waits, takes n3's place when n3 is killed, and the job goes on at world size 3 (its note says
 which node was promoted, the world sizes after the kill, and where the lost rank's step came
-from; the row fails without the promotion and the kept world size).
+from; the row fails without the promotion and the kept world size). Every node of this row has a
+checkpoint dir of its own (node-local disks): the standby can only have the lost rank's state by
+pulling it over the network from the node that holds n3's replica, before its worker starts.
 
 kill-node-sharded and kill-buddy-then-node train FSDP2 (`--fsdp`: each rank holds only its shards)
 with the disk held back (`--ckpt-write-limit 0.5`): a lost node's shards of a recent step exist only
@@ -358,7 +360,7 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         shm_left = [n for n in os.listdir("/dev/shm") if any(str(a.pid) in n for a in agents if a.pid not in gone)]
         shm_left += [n for i, root in shm_roots.items() if not (i in killed and fault in KILLS) for n in os.listdir(root)]
         if fault in HELD_BACK:  # where the lost ranks' state came from: a buddy's replica, or disk
-            source = _shards_from(run, t0, killed)
+            source = _pulled(run, t0) if fault == STANDBY else _shards_from(run, t0, killed)
             row.note = f"{source}; {row.note}" if row.note else source
         kept = True
         if fault == STANDBY:
@@ -404,7 +406,8 @@ def _agent_cmd(node: testbed.Node, fault: str, backend: str, endpoint: str, run:
         *(["--ckpt-write-limit", "0.5"] if fault in HELD_BACK else []),
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", fault,
         "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),
-        "--node-name", f"n{node.index}", "--precheck", "off", "--quiet", "--ckpt-dir", str(ckpt),
+        "--node-name", f"n{node.index}", "--precheck", "off", "--quiet",
+        "--ckpt-dir", str(ckpt / f"n{node.index}" if fault == STANDBY else ckpt),  # the standby row: node-local disks
         "--ckpt-shm-dir", str(shm_roots[node.index]), *(["--standby"] if standby else []),
         str(EXAMPLE), "--steps", str(_steps(fault, args.steps)),
         "--step-time-ms", str(CORRUPT_STEP_MS if fault == "corrupt-ckpt" else 50), "--ckpt", "trainguard", "--ckpt-every", "1",
@@ -461,6 +464,16 @@ def _shards_from(run: Path, t0: float, killed: set[int]) -> str:
     if holders:
         return f"lost rank(s) {sorted(ranks)} of step {step} from the replica on {', '.join(sorted(holders))}"
     return f"step {step}: lost ranks' shards from disk (no replica of that step)"
+
+
+def _pulled(run: Path, t0: float) -> str:
+    """kill-node-standby (node-local checkpoint dirs): what the promoted standby pulled over the
+    network before its worker started, and the step its worker resumed from."""
+    pulled = [e for e in events(run) if e.time >= t0 and e.kind == "checkpoint_fetched"]
+    loaded = [e for e in events(run) if e.time >= t0 and e.kind == "checkpoint_loaded"]  # rank 0's: the step all agreed on
+    said = "; ".join(f"rank {e.rank} step(s) {e.evidence['steps']} pulled by {e.node} from {e.evidence['from_node']} "
+                     f"(of {e.evidence['of_node']})" for e in pulled) or "nothing pulled"
+    return f"{said}; the job resumed from step {loaded[0].evidence.get('step') if loaded else '-'}"
 
 
 def fmt(v) -> str:

@@ -64,6 +64,10 @@ def test_fault_matrix_every_case_survived(tmp_path):
     assert "rescued 1 snapshot dir" in rows["agent-kill"], rows["agent-kill"]
     # --standby: n4 took n3's place, every start after the kill at world size 3 (the row fails otherwise)
     assert "standby n4 promoted; world size after the kill [3]" in rows["kill-node-standby"], rows["kill-node-standby"]
+    # node-local checkpoint dirs: the lost rank's state reached the standby only over the network,
+    # pulled from the node holding n3's replica before its worker started
+    assert re.search(r"rank 2 step\(s\) \[[\d, ]+\] pulled by n4 from n[12] \(of n3\)", rows["kill-node-standby"]), \
+        rows["kill-node-standby"]
     # FSDP2 state: the lost node's shards came from its buddy's memory (the second buddy's when the
     # first died with it), not from the lagging disk
     for fault in ("kill-node-sharded", "kill-buddy-then-node"):

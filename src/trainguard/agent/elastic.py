@@ -439,6 +439,7 @@ class TrainguardAgent(LocalElasticAgent):
             rdzv_backend=self.rdzv_backend,
             addr=self.advertise_addr,
             rdzv_node=torch_compat.rendezvous_node(wg.spec.rdzv_handler) or "",
+            ranks=tuple(w.global_rank for w in wg.workers),
         )
 
     def _before_start(self, wg: WorkerGroup) -> Decision | None:

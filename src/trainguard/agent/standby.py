@@ -12,8 +12,9 @@ freed for good (``Vacancy``: a survivor said so, or the place stayed free for ``
 for a participant that only steps out for a whole-job restart; and what it says (``standby_joined``,
 ``standby_promoted``, ``standby_released``). It is warm because its agent's worker pool has
 already imported torch in its zygote and spare workers (spawn/pool.py) while it waits; once
-promoted, its workers' ``load_latest()`` finds the lost ranks' newest step in the checkpoint dir,
-where the survivors persisted their replicas of it (checkpoint/replica.py).
+promoted, its agent pulls the lost ranks' newest steps from the node that keeps their replicas into
+its own memory before its workers start (checkpoint/pull.py), where their ``load_latest()`` finds
+them, node-local checkpoint dirs or not.
 """
 
 from __future__ import annotations

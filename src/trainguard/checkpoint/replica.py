@@ -32,6 +32,15 @@ more memory held than before it.
 After a node loss the buddy's persister writes the lost node's replicas to the checkpoint dir at
 the breakpoint (``Persister.persist_replicas``), where ``load_latest`` on every survivor finds every
 old rank's shard of the newest step and reshards it.
+
+Fetch (``list_held``, ``fetch``: the same server answers them): the agent of a node that is to run
+ranks it holds no snapshot of (a standby taking a lost node's place, a survivor whose ranks moved)
+asks the other nodes' agents, before its workers start, what they hold of those ranks (their own
+ranks' slots and the replicas they keep) and pulls the newest into its own shared memory, so its
+workers resume from memory even where the checkpoint dirs are node-local. The request is signed
+under the job's key over a nonce the server drew for this connection (a recorded request cannot be
+replayed to read a snapshot), the listing is signed the same way, and each snapshot comes as the
+replica frame above (its MAC checked, its rank, world size and sequence number those asked for).
 """
 
 from __future__ import annotations
@@ -63,6 +72,12 @@ from trainguard.checkpoint.shm import Slot, SlotCache, parse_slot_name, payload_
 log = logging.getLogger(__name__)
 
 MAGIC = b"TGREPL02"  # 02: the MAC is keyed BLAKE3 (01 was HMAC-SHA256)
+FETCH_MAGIC = b"TGFETCH1"  # a fetch request (list or get) instead of a pushed replica; as long as MAGIC
+NONCE_LEN = 32
+# Domain separation of the fetch MACs from each other and from replica frames (whose MAC input
+# starts with a JSON header): a response cannot be replayed as a request, nor a frame as either.
+_FETCH_REQUEST, _FETCH_RESPONSE = b"\x00trainguard fetch request\x00", b"\x00trainguard fetch response\x00"
+MAX_LISTING = 16 << 20
 _LEN = struct.Struct("<I")
 MAX_HEADER = 16 << 10
 MAC_LEN = 32
@@ -101,17 +116,51 @@ class Buddy:
     port: int
 
 
+@dataclass(frozen=True)
+class Held:
+    """A complete snapshot a node holds: of its own ranks (``node`` is its own name) or a replica
+    (``node``: the node it came from)."""
+
+    node: str
+    rank: int
+    world: int
+    step: int
+    seq: int
+    time: float
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "rank": self.rank, "world": self.world, "step": self.step, "seq": self.seq,
+                "time": self.time, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Held:
+        if not isinstance(d, dict) or not isinstance(d.get("node"), str) or not _NODE_NAME.fullmatch(d["node"]):
+            raise ValueError("not a held snapshot")
+        ints = [d.get(k) for k in ("rank", "world", "step", "seq", "nbytes")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+            raise ValueError("not a held snapshot")
+        when = d.get("time")
+        if isinstance(when, bool) or not isinstance(when, int | float):
+            raise ValueError("not a held snapshot")
+        return cls(d["node"], *ints[:4], float(when), ints[4])
+
+
 # --- receiving ---------------------------------------------------------------------------------
 class ReplicaServer:
     """Listens on ``addr`` (the address the other nodes reach this one through) and keeps what
-    verified buddies send in ``replicas_root``."""
+    verified buddies send in ``replicas_root``. With ``own_dir`` (the node's own slot files) and
+    ``node`` it also answers fetches: what it holds of given ranks, its own ranks' snapshots and
+    the replicas it keeps."""
 
     def __init__(self, replicas_root: Path, addr: str, key: bytes,
-                 on_rejected: Callable[[str], None] | None = None) -> None:
+                 on_rejected: Callable[[str], None] | None = None, own_dir: Path | None = None,
+                 node: str = "") -> None:
         self.root = Path(replicas_root)
         self.root.mkdir(mode=0o700, exist_ok=True)
         self._spare = self.root / SPARE
         self._key = key
+        self._own = (node, Path(own_dir)) if own_dir is not None and node else None
         self._on_rejected = on_rejected or (lambda msg: log.warning("checkpoint replica: %s", msg))
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -120,6 +169,7 @@ class ReplicaServer:
         self._sock.listen(16)
         self.addr, self.port = addr, self._sock.getsockname()[1]
         self.received = 0
+        self.served = 0  # snapshots sent to fetching agents
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="trainguard-ckpt-replica-in", daemon=True)
         self._thread.start()
@@ -136,50 +186,34 @@ class ReplicaServer:
             with conn:
                 conn.settimeout(IO_TIMEOUT_S)
                 try:
-                    self.receive(conn)
+                    magic = _recv_exact(conn, len(MAGIC))
+                    if magic == FETCH_MAGIC:
+                        self.answer_fetch(conn)
+                        continue
+                    self.receive(conn, magic)
                     conn.sendall(_OK)
                 except Refused as exc:
-                    self._on_rejected(f"refused a snapshot replica from {peer[0]}: {exc}")
+                    self._on_rejected(f"refused a snapshot {'fetch' if magic == FETCH_MAGIC else 'replica'} "
+                                      f"from {peer[0]}: {exc}")
                     _send_quietly(conn, _NO)
-                except (OSError, ValueError) as exc:  # a sender that died mid-transfer: nothing kept
-                    log.info("checkpoint replica from %s not kept: %s", peer[0], exc)
+                except (OSError, ValueError) as exc:  # a peer that died mid-transfer: nothing kept
+                    log.info("checkpoint replica connection from %s ended: %s", peer[0], exc)
 
-    def receive(self, conn: socket.socket) -> bool:
+    def receive(self, conn: socket.socket, magic: bytes | None = None) -> bool:
         """One transfer. True when kept, False when the sender abandoned it; raises Refused."""
-        head = _recv_exact(conn, len(MAGIC) + _LEN.size)
-        if head[: len(MAGIC)] != MAGIC:
-            raise Refused("not a trainguard snapshot replica")
-        (n,) = _LEN.unpack_from(head, len(MAGIC))
-        if n > MAX_HEADER:
-            raise Refused(f"header of {n} bytes")
-        raw = _recv_exact(conn, n)
-        h = _parse_header(raw)
+        raw, h = _read_frame_head(conn, magic)
         # Before the MAC can be checked: a claimed size beyond the tmpfs's free space (the spare
         # file's included: it is reused) is refused rather than allocated (fallocate would fail
         # anyway; this says why in one line).
-        free = shutil.disk_usage(self.root).free + _size_of(self._spare)
-        if h["manifest_len"] + h["data_len"] > free:
-            raise Refused(f"node {h['node']} rank {h['rank']}: {h['data_len']} bytes do not fit in the "
-                          f"{free} bytes free in {self.root}")
+        _check_fits(self.root, h, _size_of(self._spare))
         node_dir = self.root / h["node"]
         node_dir.mkdir(mode=0o700, exist_ok=True)
-        manifest_off, data_off = payload_offsets(h["manifest_len"])
         had = _size_of(self._spare)
-        slot = _spare_slot(self._spare, data_off + h["data_len"])
+        slot = _spare_slot(self._spare, payload_offsets(h["manifest_len"])[1] + h["data_len"])
         kept = False
         try:
-            slot.begin_write(h["seq"])
-            mac = new_mac(self._key)
-            mac.update(raw)
-            with memoryview(slot.mm) as mv:
-                _recv_into(conn, mv[manifest_off : manifest_off + h["manifest_len"]], mac)
-                _recv_into(conn, mv[data_off : data_off + h["data_len"]], mac)
-            if _recv_exact(conn, 1) != _COMMIT:
+            if not _receive_payload(conn, self._key, raw, h, slot, h["seq"]):
                 return False
-            if not hmac.compare_digest(_recv_exact(conn, MAC_LEN), mac.digest()):
-                raise Refused(f"node {h['node']} rank {h['rank']} step {h['step']}: MAC does not match "
-                              "(not sent by an agent of this job, or damaged)")
-            slot.publish(h["seq"], h["step"], h["manifest_len"], h["data_len"], h["rank"], h["world"])
             _rotate_in(self._spare, _older_slot(node_dir, h["rank"]))
             kept = True
             self._drop_older(node_dir, h["world"])
@@ -191,6 +225,69 @@ class ReplicaServer:
             # cannot make this node keep what it claimed.
             if not kept and _size_of(self._spare) > had:
                 self._spare.unlink(missing_ok=True)
+
+    # --- answering fetches -----------------------------------------------------------------------
+    def answer_fetch(self, conn: socket.socket) -> None:
+        """A fetch, after its FETCH_MAGIC: a nonce out, a request signed over it in; then the
+        listing (signed over the same nonce) or the snapshots asked for, each as a replica frame
+        (a byte before each: 1 = it follows, 0 = not held any more). Raises Refused."""
+        nonce = os.urandom(NONCE_LEN)
+        conn.sendall(nonce)
+        (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+        if n > MAX_HEADER:
+            raise Refused(f"fetch request of {n} bytes")
+        raw = _recv_exact(conn, n)
+        if not hmac.compare_digest(_recv_exact(conn, MAC_LEN), _fetch_mac(self._key, _FETCH_REQUEST, nonce, raw)):
+            raise Refused("fetch request not signed by an agent of this job")
+        req = _parse_fetch(raw)
+        if req["op"] == "list":
+            body = json.dumps([h.to_json() for h in self.held(set(req["ranks"]), req["world"])]).encode()
+            conn.sendall(_LEN.pack(len(body)) + body + _fetch_mac(self._key, _FETCH_RESPONSE, nonce, body))
+            return
+        for item in req["items"]:
+            found = self._find(item.node, item.rank, item.seq)
+            if found is None:
+                conn.sendall(_NO)
+                continue
+            slot, hdr = found
+            try:
+                conn.sendall(_OK)
+                if _stream(conn, slot, hdr, item.node, self._key) is not None:
+                    self.served += 1
+            finally:
+                slot.close()
+
+    def _sources(self) -> list[tuple[str, Path]]:
+        """(source node, directory) of everything this node holds: its own ranks' slots first."""
+        out = [self._own] if self._own is not None else []
+        try:
+            names = sorted(n for n in os.listdir(self.root) if not n.startswith("."))
+        except OSError:
+            names = []
+        return out + [(n, self.root / n) for n in names if self._own is None or n != self._own[0]]
+
+    def held(self, ranks: set[int], world: int) -> list[Held]:
+        """Every complete snapshot this node holds of ``ranks`` at world size ``world``."""
+        out = []
+        for node, d in self._sources():
+            for path, rank in replica_files(d.parent, d.name):
+                hdr = _peek(path) if rank in ranks else None
+                if hdr is not None and hdr.complete and hdr.rank == rank and hdr.world == world:
+                    out.append(Held(node, rank, world, hdr.step, hdr.seq, hdr.time, hdr.manifest_len + hdr.data_len))
+        return out
+
+    def _find(self, node: str, rank: int, seq: int) -> tuple[Slot, Any] | None:
+        for src, d in self._sources():
+            if src != node:
+                continue
+            for path, r in replica_files(d.parent, d.name):
+                slot = _open(path) if r == rank else None
+                hdr = slot.header() if slot is not None else None
+                if hdr is not None and hdr.complete and hdr.rank == rank and hdr.seq == seq:
+                    return slot, hdr
+                if slot is not None:
+                    slot.close()
+        return None
 
     @staticmethod
     def _drop_older(node_dir: Path, world: int) -> None:
@@ -305,6 +402,76 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     if h["rank"] < 0 or h["world"] < 1 or h["rank"] >= h["world"] or h["manifest_len"] > 64 << 20 or h["seq"] < 1:
         raise Refused("header fields out of range")
     return h
+
+
+def _read_frame_head(conn: socket.socket, magic: bytes | None = None) -> tuple[bytes, dict[str, Any]]:
+    """A replica frame's magic (unless already read), header length and header: (raw, parsed)."""
+    if magic is None:
+        magic = _recv_exact(conn, len(MAGIC))
+    if magic != MAGIC:
+        raise Refused("not a trainguard snapshot replica")
+    (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+    if n > MAX_HEADER:
+        raise Refused(f"header of {n} bytes")
+    raw = _recv_exact(conn, n)
+    return raw, _parse_header(raw)
+
+
+def _check_fits(where: Path, h: dict[str, Any], reusable: int = 0) -> None:
+    free = shutil.disk_usage(where).free + reusable
+    if h["manifest_len"] + h["data_len"] > free:
+        raise Refused(f"node {h['node']} rank {h['rank']}: {h['data_len']} bytes do not fit in the "
+                      f"{free} bytes free in {where}")
+
+
+def _receive_payload(conn: socket.socket, key: bytes, raw: bytes, h: dict[str, Any], slot: Slot, seq: int) -> bool:
+    """Manifest and data of a frame into ``slot``, hashed as they arrive; published as complete
+    under ``seq`` only when the sender committed and the MAC verifies. False: abandoned by the
+    sender; raises Refused on a wrong MAC (the slot then stays marked as being written)."""
+    manifest_off, data_off = payload_offsets(h["manifest_len"])
+    slot.begin_write(seq)
+    mac = new_mac(key)
+    mac.update(raw)
+    with memoryview(slot.mm) as mv:
+        _recv_into(conn, mv[manifest_off : manifest_off + h["manifest_len"]], mac)
+        _recv_into(conn, mv[data_off : data_off + h["data_len"]], mac)
+    if _recv_exact(conn, 1) != _COMMIT:
+        return False
+    if not hmac.compare_digest(_recv_exact(conn, MAC_LEN), mac.digest()):
+        raise Refused(f"node {h['node']} rank {h['rank']} step {h['step']}: MAC does not match "
+                      "(not sent by an agent of this job, or damaged)")
+    slot.publish(seq, h["step"], h["manifest_len"], h["data_len"], h["rank"], h["world"])
+    return True
+
+
+def _fetch_mac(key: bytes, label: bytes, nonce: bytes, body: bytes) -> bytes:
+    mac = new_mac(key)
+    mac.update(label + nonce)
+    mac.update(body)
+    return mac.digest()
+
+
+def _parse_fetch(raw: bytes) -> dict[str, Any]:
+    try:
+        req = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise Refused("fetch request is not JSON") from None
+    if not isinstance(req, dict) or req.get("op") not in ("list", "get"):
+        raise Refused("fetch request names no operation")
+    if req["op"] == "list":
+        ranks, world = req.get("ranks"), req.get("world")
+        if (not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
+                or isinstance(world, bool) or not isinstance(world, int)):
+            raise Refused("fetch list request lacks ranks and world size")
+        return req
+    items = req.get("items")
+    if not isinstance(items, list) or len(items) > 4096:
+        raise Refused("fetch get request lacks items")
+    try:
+        req["items"] = [Held.from_json(i) for i in items]
+    except ValueError:
+        raise Refused("fetch get request: an item is malformed") from None
+    return req
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -488,13 +655,34 @@ def send_snapshot(buddy: Buddy, slot: Slot, hdr: Any, node: str, key: bytes, rat
     reached or refused it. ``digest``: the MAC of this very snapshot (same seq) computed while it
     was sent to another buddy; the seqlock check after the last byte proves the bytes unchanged
     since, so they are not hashed again."""
+    with socket.create_connection((buddy.addr, buddy.port), timeout=IO_TIMEOUT_S) as conn:
+        digest = _stream(conn, slot, hdr, node, key, rate, digest)
+        if digest is None:
+            return None
+        if _recv_exact(conn, 1) != _OK:
+            raise OSError(f"buddy {buddy.node} refused the replica")
+    return _frame_len(node, hdr), digest
+
+
+def _frame_head(node: str, hdr: Any) -> bytes:
+    return json.dumps({"node": node, "rank": hdr.rank, "world": hdr.world, "step": hdr.step, "seq": hdr.seq,
+                       "manifest_len": hdr.manifest_len, "data_len": hdr.data_len}).encode()
+
+
+def _frame_len(node: str, hdr: Any) -> int:
+    return len(_frame_head(node, hdr)) + hdr.manifest_len + hdr.data_len
+
+
+def _stream(conn: socket.socket, slot: Slot, hdr: Any, node: str, key: bytes, rate: float = 0,
+            digest: bytes | None = None) -> bytes | None:
+    """One replica frame of ``slot`` (snapshot ``hdr``, from ``node``) onto ``conn``: its MAC when
+    committed, None when abandoned (the slot was overwritten while it was sent)."""
     if hdr.data_off + hdr.data_len > slot.size:
         slot.refresh()
-    head = json.dumps({"node": node, "rank": hdr.rank, "world": hdr.world, "step": hdr.step, "seq": hdr.seq,
-                       "manifest_len": hdr.manifest_len, "data_len": hdr.data_len}).encode()
+    head = _frame_head(node, hdr)
     throttle = disk._Throttle(rate)  # the persister's rate cap, reused
     mac = new_mac(key) if digest is None else None
-    with socket.create_connection((buddy.addr, buddy.port), timeout=IO_TIMEOUT_S) as conn, memoryview(slot.mm) as mv:
+    with memoryview(slot.mm) as mv:
         manifest = mv[hdr.manifest_off : hdr.manifest_off + hdr.manifest_len]
         data = mv[hdr.data_off : hdr.data_off + hdr.data_len]
         conn.sendall(MAGIC + _LEN.pack(len(head)) + head)
@@ -508,18 +696,89 @@ def send_snapshot(buddy: Buddy, slot: Slot, hdr: Any, node: str, key: bytes, rat
                 conn.sendall(piece)
                 throttle.account(len(piece))
         del manifest, data
-        # Seqlock: the worker marks the slot WRITING before touching a byte, so an unchanged header
-        # now means every byte sent and hashed above was the snapshot's.
-        now = slot.header()
-        if now is None or not now.complete or now.seq != hdr.seq:
-            conn.sendall(_ABANDON)
-            return None
-        digest = mac.digest() if mac is not None else digest
-        assert digest is not None
-        conn.sendall(_COMMIT + digest)
-        if _recv_exact(conn, 1) != _OK:
-            raise OSError(f"buddy {buddy.node} refused the replica")
-    return len(head) + hdr.manifest_len + hdr.data_len, digest
+    # Seqlock: the worker marks the slot WRITING before touching a byte, so an unchanged header
+    # now means every byte sent and hashed above was the snapshot's.
+    now = slot.header()
+    if now is None or not now.complete or now.seq != hdr.seq:
+        conn.sendall(_ABANDON)
+        return None
+    digest = mac.digest() if mac is not None else digest
+    assert digest is not None
+    conn.sendall(_COMMIT + digest)
+    return digest
+
+
+# --- fetching (the agent of a node about to run ranks it holds nothing of) ---------------------
+def _fetch_request(peer: Buddy, key: bytes, request: dict[str, Any], timeout_s: float) -> tuple[socket.socket, bytes]:
+    """Connect, take the server's nonce, send the signed request: (connection, nonce)."""
+    conn = socket.create_connection((peer.addr, peer.port), timeout=timeout_s)
+    try:
+        conn.sendall(FETCH_MAGIC)
+        nonce = _recv_exact(conn, NONCE_LEN)
+        body = json.dumps(request).encode()
+        conn.sendall(_LEN.pack(len(body)) + body + _fetch_mac(key, _FETCH_REQUEST, nonce, body))
+        return conn, nonce
+    except BaseException:
+        conn.close()
+        raise
+
+
+def list_held(peer: Buddy, key: bytes, ranks: list[int], world: int, timeout_s: float = IO_TIMEOUT_S) -> list[Held]:
+    """What ``peer``'s agent holds of ``ranks`` at world size ``world``. Raises OSError (not
+    reachable, refused) or ValueError (a listing not signed by an agent of this job)."""
+    conn, nonce = _fetch_request(peer, key, {"op": "list", "ranks": sorted(ranks), "world": world}, timeout_s)
+    with conn:
+        head = _recv_exact(conn, _LEN.size)
+        (n,) = _LEN.unpack(head)
+        if n > MAX_LISTING:
+            raise ValueError(f"{peer.node}: a listing of {n} bytes")
+        body = _recv_exact(conn, n)
+        if not hmac.compare_digest(_recv_exact(conn, MAC_LEN), _fetch_mac(key, _FETCH_RESPONSE, nonce, body)):
+            raise ValueError(f"{peer.node}: listing not signed by an agent of this job")
+    try:
+        items = [Held.from_json(d) for d in json.loads(body)]
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{peer.node}: malformed listing ({exc})") from None
+    return [h for h in items if h.rank in ranks and h.world == world]
+
+
+def fetch(peer: Buddy, key: bytes, items: list[Held], into: Path, seqs: list[int],
+          timeout_s: float = IO_TIMEOUT_S) -> tuple[list[tuple[Held, Path]], str | None]:
+    """Pull ``items`` (from ``list_held(peer)``) into new slot files in ``into``, the i-th published
+    under sequence number ``seqs[i]`` (the receiving node's numbering), each kept only when its MAC
+    verifies and it is the snapshot asked for. Returns (item, temp path) of those received (the
+    caller gives each its slot name), and why the rest were not (None: all were, or the peer no
+    longer held them)."""
+    got: list[tuple[Held, Path]] = []
+    try:
+        conn, _ = _fetch_request(peer, key, {"op": "get", "items": [h.to_json() for h in items]}, timeout_s)
+        with conn:
+            for item, seq in zip(items, seqs, strict=True):
+                if _recv_exact(conn, 1) != _OK:
+                    continue  # not held any more (overwritten since the listing)
+                path = _fetch_one(conn, key, peer, item, into, seq)
+                if path is not None:
+                    got.append((item, path))
+    except (OSError, ValueError, Refused) as exc:
+        return got, f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)
+    return got, None
+
+
+def _fetch_one(conn: socket.socket, key: bytes, peer: Buddy, item: Held, into: Path, seq: int) -> Path | None:
+    raw, h = _read_frame_head(conn)
+    if (h["node"], h["rank"], h["world"], h["seq"], h["step"]) != (item.node, item.rank, item.world, item.seq, item.step):
+        raise Refused(f"{peer.node} sent node {h['node']} rank {h['rank']} seq {h['seq']}, not the snapshot asked for")
+    _check_fits(into, h)
+    path = into / f".fetch-{item.rank}-{seq}"
+    slot = Slot.create(path, payload_offsets(h["manifest_len"])[1] + h["data_len"])
+    ok = False
+    try:
+        ok = _receive_payload(conn, key, raw, h, slot, seq)
+    finally:
+        slot.close()
+        if not ok:
+            path.unlink(missing_ok=True)
+    return path if ok else None
 
 
 def _open(path: Path) -> Slot | None:

@@ -131,6 +131,7 @@ class MonitorContext:
     rdzv_backend: str = ""
     addr: str = ""  # the address the other nodes reach this one through
     rdzv_node: str = ""  # this agent's identity in a dynamic rendezvous (torch_compat.rendezvous_node)
+    ranks: tuple[int, ...] = ()  # global ranks of this node's workers in this round (known before they start)
 
     def pids(self) -> dict[int, int]:
         """global rank -> pid"""

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from trainguard.checkpoint.client import (
     ENV_SLOTS,
 )
 from trainguard.checkpoint.persist import Persister, rescue_orphan
+from trainguard.checkpoint.pull import held_here, needed, pull
 from trainguard.checkpoint.replica import REPLICAS, Buddy, ReplicaServer, Replicator, persist_replicas
 from trainguard.checkpoint.shm import make_shm_dir, read_dir_info, release_shm_dir
 from trainguard.cluster.stores import ForgedValue
@@ -50,6 +52,7 @@ from trainguard.options import given, non_negative, non_negative_int, positive_i
 
 log = logging.getLogger(__name__)
 REPLICA_KEY = "trainguard/ckpt-replica/"  # + node rank: where that node's agent takes snapshot replicas
+PEERS_WAIT_S = 10.0  # before the workers start: how long to wait for the other nodes to say where they serve
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,10 @@ class CheckpointMonitor(Monitor):
         # step behind); two otherwise.
         self.slots = 3 if s.multi_node and s.replicas != 0 else 2
         self._server: ReplicaServer | None = None
+        self._replica_key = b""  # the job key's replica key, once the server listens
         self._replicator: Replicator | None = None
         self._wanted: list[int] = []  # node ranks of this round's buddies not looked up yet
+        self._ranks: tuple[int, ...] = ()  # the global ranks this node ran in its last round
         self._buddies: list[Buddy] = []
         self.shm_dir: Path | None = None
         self.ckpt_dir: Path | None = None
@@ -154,6 +159,12 @@ class CheckpointMonitor(Monitor):
     def on_before_start(self, ctx: MonitorContext) -> None:
         self._ctx = ctx
         self._flush_early()
+        try:
+            if self._serve_replicas(ctx):
+                self._pull_missing(ctx)
+        except Exception as exc:  # never in the way of the start: the workers load what there is
+            log.exception("checkpoint: pulling snapshots before the start failed: %s", exc)
+        self._ranks = ctx.ranks
         return None
 
     def on_workers_started(self, ctx: MonitorContext) -> None:
@@ -273,29 +284,86 @@ class CheckpointMonitor(Monitor):
         self._wanted, self._buddies = [], []
         if self._replicator is not None:
             self._replicator.set_buddies([])
+        if not self._serve_replicas(ctx):
+            return
         k = self._replica_count(ctx)
+        self._wanted = [(ctx.node_rank + i) % ctx.nnodes for i in range(1, k + 1)]
+        self._find_buddies(ctx)
+
+    def _serve_replicas(self, ctx: MonitorContext) -> bool:
+        """With replication on: take replicas and fetches (the server, once) and say where in this
+        round's store (before the workers start, so that a node pulling snapshots finds it, and
+        again after). False when replication is off or cannot run."""
         job_key = getattr(ctx.store, "job_key", None)  # a SignedStore: replicas are signed like its values
-        if k == 0 or job_key is None or self.shm_dir is None:
-            return
+        if self._replica_count(ctx) == 0 or job_key is None:
+            return False
+        self._ensure_started(ctx.run_dir)
+        if self.shm_dir is None:
+            return False
         if self._server is None and not self._listen(ctx, job_key.derive("checkpoint-replica")):
-            return
+            return False
         assert self._server is not None
         where = json.dumps({"node": ctx.node, "addr": self._server.addr, "port": self._server.port})
         try:
             ctx.store.set(f"{REPLICA_KEY}{ctx.node_rank}", where)
         except Exception as exc:  # the store is failing: the rendezvous' own error handling takes over
             log.warning("checkpoint: could not publish where this node takes snapshot replicas: %s", exc)
-        self._wanted = [(ctx.node_rank + i) % ctx.nnodes for i in range(1, k + 1)]
-        self._find_buddies(ctx)
+        return True
+
+    def _pull_missing(self, ctx: MonitorContext) -> None:
+        """Ranks this node is to run and holds nothing recent of (a standby taking a lost node's
+        place, a survivor whose ranks moved): their newest snapshots from the other nodes' agents
+        into this node's memory, before its workers start (checkpoint/pull.py)."""
+        assert self.shm_dir is not None
+        ranks = needed(ctx.ranks, self._ranks, held_here(self.shm_dir, ctx.world_size))
+        if not ranks:
+            return
+        peers = self._peers(ctx)
+        if peers:
+            pull(self.shm_dir, ranks, ctx.world_size, peers, self._replica_key, self.slots, self._emit)
+
+    def _peers(self, ctx: MonitorContext) -> list[Buddy]:
+        """Where every other node of this round serves, as they publish it (up to PEERS_WAIT_S: a
+        node not there by then is not asked)."""
+        wanted = [r for r in range(ctx.nnodes) if r != ctx.node_rank]
+        found: list[Buddy] = []
+        deadline = time.monotonic() + PEERS_WAIT_S
+        while wanted:
+            for r in list(wanted):
+                buddy = self._published(ctx, r)
+                if buddy is not None:
+                    wanted.remove(r)
+                    found.append(buddy)
+            if not wanted or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if wanted:
+            log.info("checkpoint: node rank(s) %s did not say where they serve in %.0f s; not asked", wanted, PEERS_WAIT_S)
+        return found
+
+    def _published(self, ctx: MonitorContext, node_rank: int) -> Buddy | None:
+        key = f"{REPLICA_KEY}{node_rank}"
+        try:
+            if ctx.store is None or not ctx.store.check([key]):
+                return None
+            info = json.loads(ctx.store.get(key))
+            return Buddy(str(info["node"]), str(info["addr"]), int(info["port"]))
+        except ForgedValue:  # reported by the signed store, never sent to; the node's own value may follow
+            return None
+        except Exception as exc:  # not there yet, or the store is failing: the next look
+            log.debug("checkpoint: node %d not known yet: %s", node_rank, exc)
+            return None
 
     def _listen(self, ctx: MonitorContext, key: bytes) -> bool:
         assert self.shm_dir is not None
         try:
-            self._server = ReplicaServer(self.shm_dir / REPLICAS, ctx.addr or "127.0.0.1", key, self._rejected)
+            self._server = ReplicaServer(self.shm_dir / REPLICAS, ctx.addr or "127.0.0.1", key, self._rejected,
+                                         own_dir=self.shm_dir, node=ctx.node)
         except OSError as exc:
             self._emit("checkpoint_replica_failed", f"cannot take snapshot replicas on {ctx.addr}: {exc}; "
                        "this node's snapshots are not replicated", severity="warning")
             return False
+        self._replica_key = key
         self._replicator = Replicator(self.shm_dir, ctx.node, key, self._emit, self.replica_limit)
         self._replicator.start()
         return True
@@ -304,16 +372,8 @@ class CheckpointMonitor(Monitor):
         if not self._wanted or ctx.store is None or self._replicator is None:
             return
         for r in list(self._wanted):
-            key = f"{REPLICA_KEY}{r}"
-            try:
-                if not ctx.store.check([key]):
-                    continue
-                info = json.loads(ctx.store.get(key))
-                buddy = Buddy(str(info["node"]), str(info["addr"]), int(info["port"]))
-            except ForgedValue:  # reported by the signed store, never sent to; the node's own value may follow
-                continue
-            except Exception as exc:  # not there yet, or the store is failing: the next poll
-                log.debug("checkpoint: buddy %d not known yet: %s", r, exc)
+            buddy = self._published(ctx, r)
+            if buddy is None:
                 continue
             self._wanted.remove(r)
             self._buddies.append(buddy)
