@@ -1,7 +1,7 @@
 """Training stall of ``trainguard.checkpoint.save`` vs a synchronous ``torch.save`` of the same state.
 
     python bench/checkpoint.py [--state-mb 128] [--every 5] [--pairs 4] [--repeats 4] [--json FILE]
-                               [--replication-rounds 4] [--replication-only]
+                               [--replication-rounds 4] [--replication-only] [--train-threads N]
 
 One process trains an MLP with Adam on CPU (``--device cuda``: on the GPU; model + optimizer state
 of about --state-mb MB) and
@@ -42,6 +42,11 @@ steps lost with it when the node is lost (a snapshot's lag until its buddy holds
 the persist latency); ``--replication-only`` measures just that (a shorter run). Last, the copy
 floor: the state's bytes copied once into shared memory, alone; on a machine whose training keeps
 every core and the memory bus busy, no snapshot that copies the state stalls less than that.
+
+``--train-threads N`` gives the training N intra-op threads (torch.set_num_threads) instead of one
+per core: fewer than the cores leaves CPU to the agent's threads, as on a GPU node whose training
+process mostly waits for its GPU (the default keeps every core busy, the worst case for the
+agent's background work).
 """
 
 from __future__ import annotations
@@ -314,6 +319,8 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the numbers to this file")
     p.add_argument("--replication-rounds", type=int, default=4,
                    help="rounds each way (off, on) of the replication cost; 0: not measured")
+    p.add_argument("--train-threads", type=int, default=0,
+                   help="the training's intra-op threads (default: torch's, one per core)")
     p.add_argument("--replication-only", action="store_true",
                    help="measure only the replication cost (skips the backends' rounds: a bounded, quicker run)")
     p.add_argument("--agent", nargs=3, metavar=("RUN_DIR", "CKPT_DIR", "SHM_ROOT"), help=argparse.SUPPRESS)
@@ -340,6 +347,8 @@ def main() -> int:
         env = json.loads(agent.stdout.readline())
         ckpt_dir = Path(env["TRAINGUARD_CKPT_DIR"])
         ckpt = Checkpointer(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), ckpt_dir, 0, 1)
+        if args.train_threads > 0:
+            torch.set_num_threads(args.train_threads)
         model, opt, step_fn = build(args.state_mb, args.device)
         nbytes = state_bytes({"model": model.state_dict(), "optim": opt.state_dict()})
         print(f"state {nbytes / 1e6:.0f} MB (model + Adam), torch {torch.__version__}, "

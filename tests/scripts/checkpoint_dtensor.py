@@ -62,6 +62,19 @@ def main() -> None:
     out["reports"] = sorted(p.name for p in (ck.shm_dir / "reports").glob("*.json")) if rank == 1 else []
     out["reports"] = len(out["reports"])
     ck.close()
+    dist.barrier()
+
+    # Rank 1's node is gone with its disk (node-local dirs): rank 0 holds steps nobody else does.
+    # Both start from scratch, and rank 0 says so instead of starting fresh in silence.
+    if rank == 1:
+        for f in ckpt_dir.glob("step-*/rank-00001*"):
+            f.unlink()
+    dist.barrier()
+    ck = Checkpointer(make_shm_dir(shm_root), ckpt_dir, rank, 2)
+    out["after_loss"] = ck.load_latest(mesh=mesh)
+    said = [json.loads(p.read_text()) for p in (ck.shm_dir / "reports").glob("*.json")]
+    out["unshared_reports"] = [r.get("message", "") for r in said]
+    ck.close()
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
     # Leave without interpreter teardown: under heavy load torch's gloo teardown at exit has

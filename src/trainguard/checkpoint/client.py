@@ -494,11 +494,14 @@ class Checkpointer:
         found = self._candidates(mesh, corrupt, refused)
         collective = agree and _dist_world() > 1
         result, chosen = None, None
+        unshared: list[int] = []  # steps this rank holds when no rank holds one of them all (see below)
         while True:
             order = sorted(found.values(), key=self._preference, reverse=True)
             if collective:
                 key = _agree_key([c.key for c in order])
                 chosen = found.get(key) if key is not None else None
+                if key is None and found and not corrupt and not refused:
+                    unshared = sorted({c.step for c in found.values()})
                 if key is not None and chosen is None:  # cannot happen: the intersection is ours too
                     raise RuntimeError(f"checkpoint: agreed on step key {key} this rank does not have")
             else:
@@ -530,6 +533,14 @@ class Checkpointer:
             found.pop(chosen.key, None)
         if result is None:
             self._refuse_if_needed(refused, collective)
+        if result is None and unshared:
+            # Never a silent fresh start: this rank holds steps, another holds none of them (its
+            # node's memory and checkpoint dir are gone, or the dirs are not shared).
+            self._report("checkpoint_fallback", "error",
+                         f"rank {self.rank}: holds step(s) {unshared} but no step is held by every rank (a rank's "
+                         f"node lost its snapshots and none reached it: see checkpoint_fetch_failed, or "
+                         f"{self.ckpt_dir} is not shared); starting from scratch",
+                         {"held_steps": unshared, "loaded_step": None, "dir": str(self.ckpt_dir)})
         loaded = chosen if result is not None else None
         self._report_load(loaded, corrupt, refused)
         return result
