@@ -60,11 +60,14 @@ def test_choose_takes_the_newest_steps_newer_than_held_here_one_holder_each():
     assert [h.step for _, h in choose(offers, {}, per_rank=1) if h.rank == 1] == [8]
 
 
-def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_from_memory(tmp_path, shm_root):
+@pytest.mark.parametrize("moved", [False, True], ids=["standby-takes-the-lost-ranks", "survivor-ranks-moved"])
+def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_from_memory(tmp_path, shm_root, moved):
     """Round 1: nodes a (rank 0) and b (rank 1), b's snapshots replicated to a. Round 2: b is
-    gone, standby c runs rank 1. Every node has its own checkpoint dir (nothing of rank 1 on c's
-    disk): c's agent pulls rank 1's two newest steps from a's replicas before its worker starts,
-    and the worker's load_latest finds the newest in memory, equal to what b saved."""
+    gone, standby c joins. Every node has its own checkpoint dir (nothing of rank 1 on c's disk).
+    c runs rank 1: c's agent pulls rank 1's two newest steps from a's replicas before its worker
+    starts. ``moved``: c sorts first in the rendezvous and runs rank 0, a runs rank 1: a takes b's
+    steps from its own replicas, c takes rank 0's from a's own slots. Every worker's load_latest
+    finds the newest step in its node's memory, equal to what was saved."""
     from torch.distributed import TCPStore
 
     from trainguard.cluster.stores import SignedStore
@@ -111,25 +114,32 @@ def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_
 
         round2 = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         stores.append(round2)
-        a2, c2 = ctx("a", 0, (0,), round2.port), ctx("c", 1, (1,), round2.port)
-        mons["a"].on_before_start(a2)  # the survivor kept rank 0: it pulls nothing, it serves
-        mons["c"].on_before_start(c2)
-        fetched = [e for e in events.query() if e.kind == "checkpoint_fetched"]
-        assert [(e.node, e.rank, e.evidence["steps"], e.evidence["from_node"], e.evidence["of_node"]) for e in fetched] == \
-            [("c", 1, [2, 3], "a", "b")], fetched
+        runs = {"a": 1, "c": 0} if moved else {"a": 0, "c": 1}  # node -> the rank it runs in round 2
+        round2_ctx = {n: ctx(n, r, (r,), round2.port) for n, r in runs.items()}
+        # at once, as after a rendezvous: a node that pulls waits for the others to say where they serve
+        threads = [threading.Thread(target=mons[n].on_before_start, args=(c,)) for n, c in round2_ctx.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        fetched = {(e.node, e.rank, tuple(e.evidence["steps"]), e.evidence["from_node"], e.evidence["of_node"])
+                   for e in events.query() if e.kind == "checkpoint_fetched"}
+        expected = {("a", 1, (2, 3), "a", "b"), ("c", 0, (2, 3), "a", "a")} if moved else {("c", 1, (2, 3), "a", "b")}
+        assert fetched == expected, fetched
         assert not [e for e in events.query() if e.kind == "checkpoint_fetch_failed"]
-        mons["c"].worker_env(run_dir)
-        worker = Checkpointer(mons["c"].shm_dir, tmp_path / "ckpt-c", 1, 2)
-        try:
-            found = worker._candidates(None, [], [])
-            assert {c.step for c in found.values() if c.sources[0].kind == "memory"} == {2, 3}, found
-            got = worker.load_latest(agree=False)
-            assert got["step"] == 3 and torch.equal(got["w"], _state(3, 1)["w"])
-            assert worker.save(_state(4, 1), 4, overlap=False)  # numbered on above what was pulled
-            assert worker.load_latest(agree=False)["step"] == 4
-        finally:
-            worker.close()
-        assert not [n for n in os.listdir(mons["c"].shm_dir) if n.startswith(".fetch")]
+        for n, rank in runs.items():
+            mons[n].worker_env(run_dir)
+            worker = Checkpointer(mons[n].shm_dir, tmp_path / f"ckpt-{n}", rank, 2)
+            try:
+                found = worker._candidates(None, [], [])
+                assert {c.step for c in found.values() if c.sources[0].kind == "memory"} >= {2, 3}, (n, found)
+                got = worker.load_latest(agree=False)
+                assert got["step"] == 3 and torch.equal(got["w"], _state(3, rank)["w"]), (n, got)
+                assert worker.save(_state(4, rank), 4, overlap=False)  # numbered on above what was pulled
+                assert worker.load_latest(agree=False)["step"] == 4
+            finally:
+                worker.close()
+            assert not [f for f in os.listdir(mons[n].shm_dir) if f.startswith(".fetch")]
     finally:
         for mon in mons.values():
             mon.close()

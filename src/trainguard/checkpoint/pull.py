@@ -7,8 +7,9 @@ slots, or the replicas a buddy keeps of the lost node). Through the checkpoint d
 only when that dir is shared and the holder persisted them in time; pulled over the network they
 are in this node's memory before its workers start, and ``load_latest`` finds them there like any
 snapshot of its own (each worker agrees with the others on the newest step every rank has, as
-always). The agent asks every other node of the round what it holds of those ranks at the round's
-world size (``replica.list_held``), takes for each rank the newest steps (up to ``PER_RANK``) newer
+always). The agent asks its own server (the replicas it keeps: the lost node's buddy may be the
+survivor that now runs its ranks) and every other node of the round what they hold of those ranks
+at the round's world size (``replica.list_held``), takes for each rank the newest steps (up to ``PER_RANK``) newer
 than any it holds itself, and receives them as slot files of its own, numbered above every slot in
 its directory (``replica.fetch``: signed, verified, the snapshot asked for or nothing).
 

@@ -314,13 +314,14 @@ class CheckpointMonitor(Monitor):
         """Ranks this node is to run and holds nothing recent of (a standby taking a lost node's
         place, a survivor whose ranks moved): their newest snapshots from the other nodes' agents
         into this node's memory, before its workers start (checkpoint/pull.py)."""
-        assert self.shm_dir is not None
+        assert self.shm_dir is not None and self._server is not None
         ranks = needed(ctx.ranks, self._ranks, held_here(self.shm_dir, ctx.world_size))
         if not ranks:
             return
-        peers = self._peers(ctx)
-        if peers:
-            pull(self.shm_dir, ranks, ctx.world_size, peers, self._replica_key, self.slots, self._emit)
+        # This node's own server first: the lost node's buddy may be the survivor that now runs
+        # its ranks (their replicas are here, in files the server reuses: copied, not linked).
+        own = Buddy(ctx.node, self._server.addr, self._server.port)
+        pull(self.shm_dir, ranks, ctx.world_size, [own, *self._peers(ctx)], self._replica_key, self.slots, self._emit)
 
     def _peers(self, ctx: MonitorContext) -> list[Buddy]:
         """Where every other node of this round serves, as they publish it (up to PEERS_WAIT_S: a
