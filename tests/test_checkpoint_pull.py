@@ -92,8 +92,8 @@ def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_
         round1 = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         stores.append(round1)
         a1, b1 = ctx("a", 0, (0,), round1.port), ctx("b", 1, (1,), round1.port)
+        _at_once([(mons["a"].on_before_start, a1), (mons["b"].on_before_start, b1)])  # first round: nothing to pull
         for mon, c in ((mons["a"], a1), (mons["b"], b1)):
-            mon.on_before_start(c)  # first round: nothing anywhere to pull
             mon.worker_env(run_dir)
             mon.on_workers_started(c)
         wait_for(lambda: (mons["a"].poll(a1), mons["b"].poll(b1), mons["a"]._buddies and mons["b"]._buddies)[2],
@@ -116,12 +116,7 @@ def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_
         stores.append(round2)
         runs = {"a": 1, "c": 0} if moved else {"a": 0, "c": 1}  # node -> the rank it runs in round 2
         round2_ctx = {n: ctx(n, r, (r,), round2.port) for n, r in runs.items()}
-        # at once, as after a rendezvous: a node that pulls waits for the others to say where they serve
-        threads = [threading.Thread(target=mons[n].on_before_start, args=(c,)) for n, c in round2_ctx.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        _at_once([(mons[n].on_before_start, c) for n, c in round2_ctx.items()])
         fetched = {(e.node, e.rank, tuple(e.evidence["steps"]), e.evidence["from_node"], e.evidence["of_node"])
                    for e in events.query() if e.kind == "checkpoint_fetched"}
         expected = {("a", 1, (2, 3), "a", "b"), ("c", 0, (2, 3), "a", "a")} if moved else {("c", 1, (2, 3), "a", "b")}
@@ -187,6 +182,17 @@ def test_fetches_are_signed_over_the_servers_nonce_and_listings_checked(tmp_path
         server.close()
         forger.close()
         release_shm_dir(own)
+
+
+def _at_once(calls: list) -> None:
+    """The agents' pre-start hooks at the same time, as after a rendezvous: a node that pulls waits
+    for the others to say where they serve."""
+    threads = [threading.Thread(target=fn, args=(arg,)) for fn, arg in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
 
 
 def _forging_server(key: bytes) -> socket.socket:
