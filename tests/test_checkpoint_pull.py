@@ -26,11 +26,10 @@ from trainguard.checkpoint.replica import (
     Held,
     ReplicaServer,
     _fetch_mac,
-    _peek,
     list_held,
     replica_files,
 )
-from trainguard.checkpoint.shm import make_shm_dir, release_shm_dir
+from trainguard.checkpoint.shm import make_shm_dir, read_header, release_shm_dir
 from trainguard.cluster.stores import JobKey
 
 
@@ -104,7 +103,7 @@ def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_
             for step in (1, 2, 3):
                 for r, w in enumerate(workers):
                     assert w.save(_state(step, r), step, overlap=False)
-                wait_for(lambda s=step: s in {_peek(p).step for p, r in replica_files(shm["a"] / REPLICAS) if r == 1},
+                wait_for(lambda s=step: s in {read_header(p).step for p, r in replica_files(shm["a"] / REPLICAS) if r == 1},
                          what=f"rank 1's step {step} at a")
         finally:
             for w in workers:

@@ -19,12 +19,11 @@ from trainguard.checkpoint.replica import (
     Buddy,
     ReplicaServer,
     Replicator,
-    _peek,
     persist_replicas,
     replica_files,
     send_snapshot,
 )
-from trainguard.checkpoint.shm import Slot, make_shm_dir, release_shm_dir, slot_path
+from trainguard.checkpoint.shm import Slot, make_shm_dir, read_header, release_shm_dir, slot_path
 from trainguard.cluster.stores import JobKey
 
 
@@ -50,7 +49,7 @@ def test_snapshots_reach_the_buddy_signed_bounded_and_persist_from_there(tmp_pat
         def kept(srv: ReplicaServer = server) -> dict[int, set[int]]:
             out: dict[int, set[int]] = {}
             for p, rank in replica_files(srv.root):
-                out.setdefault(rank, set()).add(_peek(p).step)
+                out.setdefault(rank, set()).add(read_header(p).step)
             return out
 
         for step in (1, 2, 3):
@@ -157,7 +156,7 @@ def test_agents_find_their_buddy_in_the_round_store_and_the_survivor_persists_th
         try:
             assert worker.save(_state(5, 1), 5, overlap=False)
             a_replicas = mons["a"]._server.root
-            wait_for(lambda: any(_peek(p).step == 5 for p, r in replica_files(a_replicas) if r == 1), what="step 5 at a")
+            wait_for(lambda: any(read_header(p).step == 5 for p, r in replica_files(a_replicas) if r == 1), what="step 5 at a")
         finally:
             worker.close()
         mons["a"].on_workers_failed(ctxs["a"], {})  # node b is gone: a's breakpoint

@@ -55,9 +55,9 @@ from trainguard.checkpoint.reshard import IncompatibleCheckpoint, load_resharded
 from trainguard.checkpoint.shm import (
     Slot,
     make_shm_dir,
-    parse_slot_name,
     payload_offsets,
     release_shm_dir,
+    slot_files,
     slot_path,
 )
 
@@ -379,11 +379,7 @@ class Checkpointer:
 
     def _slot_files(self) -> list[tuple[Path, int]]:
         """(path, rank) of every slot file in the shm directory."""
-        try:
-            names = sorted(os.listdir(self.shm_dir))
-        except OSError:
-            return []
-        return [(self.shm_dir / n, parsed[0]) for n in names if (parsed := parse_slot_name(n)) is not None]
+        return slot_files(self.shm_dir)
 
     def _queue_completion(self, p: _Pending) -> None:
         if self._completer is None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.replica import Buddy, Held, fetch, list_held
-from trainguard.checkpoint.shm import Slot, parse_slot_name, slot_path
+from trainguard.checkpoint.shm import read_header, slot_files, slot_path
 
 # Steps pulled per rank: the newest and the one before, as a buddy keeps them (the newest step
 # every rank holds may be one behind a rank's newest).
@@ -81,13 +81,13 @@ def choose(offers: list[tuple[Buddy, Held]], here: dict[int, set[int]], per_rank
     return out
 
 
-def pull(shm_dir: Path, ranks: list[int], world: int, peers: list[Buddy], key: bytes, nslots: int,
-         emit: Callable[..., Any]) -> Pulled:
-    """Ask ``peers`` what they hold of ``ranks`` at ``world`` and pull what ``choose`` picks into
-    slot files of ``shm_dir`` (at most ``nslots`` per rank). Never raises."""
+def pull(shm_dir: Path, ranks: list[int], world: int, here: dict[int, set[int]], peers: list[Buddy], key: bytes,
+         nslots: int, emit: Callable[..., Any]) -> Pulled:
+    """Ask ``peers`` what they hold of ``ranks`` at ``world`` and pull what ``choose`` picks (given
+    ``here``, ``held_here(shm_dir, world)``) into slot files of ``shm_dir`` (at most ``nslots`` per
+    rank). Never raises."""
     result = Pulled()
     start = time.monotonic()
-    here = held_here(shm_dir, world)
     offers: list[tuple[Buddy, Held]] = []
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(peers)))) as pool:
         for peer, listed in zip(peers, pool.map(lambda p: _listing(p, key, ranks, world), peers), strict=True):
@@ -124,26 +124,7 @@ def _listing(peer: Buddy, key: bytes, ranks: list[int], world: int) -> list[Held
 
 def _slots(shm_dir: Path) -> list[tuple[Path, int, Any]]:
     """(path, rank, header) of every readable slot file in ``shm_dir``."""
-    out = []
-    try:
-        names = sorted(os.listdir(shm_dir))
-    except OSError:
-        return out
-    for name in names:
-        parsed = parse_slot_name(name)
-        if parsed is None:
-            continue
-        try:
-            slot = Slot.open(Path(shm_dir) / name)
-        except (OSError, ValueError):
-            continue
-        try:
-            hdr = slot.header()
-        finally:
-            slot.close()
-        if hdr is not None:
-            out.append((Path(shm_dir) / name, parsed[0], hdr))
-    return out
+    return [(path, rank, hdr) for path, rank in slot_files(shm_dir) if (hdr := read_header(path)) is not None]
 
 
 def _max_seq(shm_dir: Path) -> int:
@@ -161,7 +142,7 @@ def _place(shm_dir: Path, rank: int, received: Path, nslots: int) -> Path:
         if not path.exists():
             dest = path
             break
-        hdr = next((h for p, _, h in _slots(shm_dir) if p == path), None)
+        hdr = read_header(path)
         seqs[i] = hdr.seq if hdr is not None and hdr.complete else -1
     else:
         dest = slot_path(shm_dir, rank, min(seqs, key=lambda i: seqs[i]))

@@ -67,7 +67,15 @@ import blake3
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.format import FormatError, decode_manifest
 from trainguard.checkpoint.persist import _set_background_priority
-from trainguard.checkpoint.shm import Slot, SlotCache, parse_slot_name, payload_offsets, slot_path
+from trainguard.checkpoint.shm import (
+    Slot,
+    SlotCache,
+    parse_slot_name,
+    payload_offsets,
+    read_header,
+    slot_files,
+    slot_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +177,6 @@ class ReplicaServer:
         self._sock.listen(16)
         self.addr, self.port = addr, self._sock.getsockname()[1]
         self.received = 0
-        self.served = 0  # snapshots sent to fetching agents
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="trainguard-ckpt-replica-in", daemon=True)
         self._thread.start()
@@ -252,8 +259,7 @@ class ReplicaServer:
             slot, hdr = found
             try:
                 conn.sendall(_OK)
-                if _stream(conn, slot, hdr, item.node, self._key) is not None:
-                    self.served += 1
+                _stream(conn, slot, hdr, item.node, self._key)
             finally:
                 slot.close()
 
@@ -270,8 +276,8 @@ class ReplicaServer:
         """Every complete snapshot this node holds of ``ranks`` at world size ``world``."""
         out = []
         for node, d in self._sources():
-            for path, rank in replica_files(d.parent, d.name):
-                hdr = _peek(path) if rank in ranks else None
+            for path, rank in slot_files(d):
+                hdr = read_header(path) if rank in ranks else None
                 if hdr is not None and hdr.complete and hdr.rank == rank and hdr.world == world:
                     out.append(Held(node, rank, world, hdr.step, hdr.seq, hdr.time, hdr.manifest_len + hdr.data_len))
         return out
@@ -280,7 +286,7 @@ class ReplicaServer:
         for src, d in self._sources():
             if src != node:
                 continue
-            for path, r in replica_files(d.parent, d.name):
+            for path, r in slot_files(d):
                 slot = _open(path) if r == rank else None
                 hdr = slot.header() if slot is not None else None
                 if hdr is not None and hdr.complete and hdr.rank == rank and hdr.seq == seq:
@@ -292,8 +298,8 @@ class ReplicaServer:
     @staticmethod
     def _drop_older(node_dir: Path, world: int) -> None:
         """Bounded memory: a source node's replicas from an earlier world size go."""
-        for path, _ in replica_files(node_dir.parent, node_dir.name):
-            hdr = _peek(path)
+        for path, _ in slot_files(node_dir):
+            hdr = read_header(path)
             if hdr is not None and hdr.world != world:
                 path.unlink(missing_ok=True)
 
@@ -357,7 +363,7 @@ def _older_slot(node_dir: Path, rank: int) -> Path:
     paths = [slot_path(node_dir, rank, i) for i in (0, 1)]
     seqs = []
     for path in paths:
-        hdr = _peek(path) if path.exists() else None
+        hdr = read_header(path) if path.exists() else None
         seqs.append(hdr.seq if hdr is not None and hdr.complete else -1)
     return paths[0] if seqs[0] <= seqs[1] else paths[1]
 
@@ -370,22 +376,8 @@ def replica_files(root: Path, node: str | None = None) -> list[tuple[Path, int]]
     except OSError:
         return out
     for n in nodes:
-        try:
-            names = sorted(os.listdir(Path(root) / n))
-        except OSError:
-            continue
-        out += [(Path(root) / n / name, p[0]) for name in names if (p := parse_slot_name(name)) is not None]
+        out += slot_files(Path(root) / n)
     return out
-
-
-def _peek(path: Path) -> Any:
-    slot = _open(path)
-    if slot is None:
-        return None
-    try:
-        return slot.header()
-    finally:
-        slot.close()
 
 
 def _parse_header(raw: bytes) -> dict[str, Any]:

@@ -77,6 +77,27 @@ def parse_slot_name(name: str) -> tuple[int, int] | None:
     return int(rank), int(index)
 
 
+def slot_files(directory: Path) -> list[tuple[Path, int]]:
+    """(path, rank) of every slot file in ``directory``, by name ([] when it cannot be listed)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [(Path(directory) / n, parsed[0]) for n in names if (parsed := parse_slot_name(n)) is not None]
+
+
+def read_header(path: Path) -> SlotHeader | None:
+    """The header of the slot file at ``path``; None when it is gone, unreadable or no slot."""
+    try:
+        slot = Slot.open(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        return slot.header()
+    finally:
+        slot.close()
+
+
 def payload_offsets(manifest_len: int) -> tuple[int, int]:
     """(manifest_off, data_off) for a manifest of this size."""
     data_off = HEADER_SIZE + (manifest_len + HEADER_SIZE - 1) // HEADER_SIZE * HEADER_SIZE

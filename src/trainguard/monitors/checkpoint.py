@@ -315,13 +315,15 @@ class CheckpointMonitor(Monitor):
         place, a survivor whose ranks moved): their newest snapshots from the other nodes' agents
         into this node's memory, before its workers start (checkpoint/pull.py)."""
         assert self.shm_dir is not None and self._server is not None
-        ranks = needed(ctx.ranks, self._ranks, held_here(self.shm_dir, ctx.world_size))
+        here = held_here(self.shm_dir, ctx.world_size)
+        ranks = needed(ctx.ranks, self._ranks, here)
         if not ranks:
             return
         # This node's own server first: the lost node's buddy may be the survivor that now runs
         # its ranks (their replicas are here, in files the server reuses: copied, not linked).
         own = Buddy(ctx.node, self._server.addr, self._server.port)
-        pull(self.shm_dir, ranks, ctx.world_size, [own, *self._peers(ctx)], self._replica_key, self.slots, self._emit)
+        pull(self.shm_dir, ranks, ctx.world_size, here, [own, *self._peers(ctx)], self._replica_key, self.slots,
+             self._emit)
 
     def _peers(self, ctx: MonitorContext) -> list[Buddy]:
         """Where every other node of this round serves, as they publish it (up to PEERS_WAIT_S: a
