@@ -21,6 +21,13 @@ only the rank itself can write, a lock it holds itself ...). The frozen third (P
 held out while the detector was tuned) is reported on its own line. ``--jobs`` runs patterns side
 by side.
 
+Window patterns: tests/scripts/window_patterns.py, healthy work that outlasts --hang-detect-time
+(--window-detect-time here; the work lasts 1.4 x as long): evaluations with and without I/O, a
+slow fsynced save, tokenising or compiling before the first step, pickling inside object
+collectives, an upload at the exit, accumulation, DataLoader decoding, an evaluator child, HF
+Trainer and Lightning evaluation; and the same shapes made dead (a spin, judged at the window; a
+stopped rank; a thread deadlock; a pipe cycle; DataLoader workers on a lock inherited at fork).
+
 The peer is torchrun + gloo without trainguard: a hung collective only ends when the process
 group's timeout fires, *stated* from torch's default (default_pg_timeout), not waited for.
 
@@ -47,6 +54,7 @@ from trainguard.monitors.hang.monitor import HangConfig, HangMonitor  # noqa: E4
 
 HEALTHY = ROOT / "tests" / "scripts" / "healthy_phases.py"
 WAITS = ROOT / "tests" / "scripts" / "wait_patterns.py"
+WINDOW = ROOT / "tests" / "scripts" / "window_patterns.py"
 FAULTS = {  # fault -> (world, culprit rank)
     "stop": (2, 1),
     "sleep": (2, 1),
@@ -125,29 +133,36 @@ class WaitResult:
     p99: float = float("nan")
     right: bool = False  # faults: the culprit named
     finished: bool = False  # healthy: every rank printed done
+    goal: float = 0.0  # faults: the latency goal, 10 s + 3 x p99 step (+ the window for a spin)
     note: str = ""
 
     @property
     def ok(self) -> bool:
         if self.healthy:
             return self.detected == 0 and self.restarts == 0 and self.finished
-        return self.latency is not None and self.right and self.latency <= 10.0 + 3 * self.p99
+        return self.latency is not None and self.right and self.latency <= self.goal
 
 
-def wait_pattern(cfg: HangConfig, name: str, wait_s: float) -> WaitResult:
-    from wait_patterns import PATTERNS
+def patterns(script: Path) -> dict:
+    """The PATTERNS of a pattern script (wait_patterns.py or window_patterns.py)."""
+    import importlib
 
-    pat = PATTERNS[name]
+    return importlib.import_module(script.stem).PATTERNS
+
+
+def wait_pattern(cfg: HangConfig, name: str, wait_s: float, script: Path = WAITS) -> WaitResult:
+    pat = patterns(script)[name]
     args = ["--pattern", name, "--wait-s", str(wait_s)]
     with tempfile.TemporaryDirectory(prefix="tg-hang-bench-") as tmp:
-        attempts, detected = run_job(Path(tmp), HangMonitor(cfg), 2, args, deadline_s=wait_s + 240.0,
-                                     max_attempts=1, worker=WAITS)  # fmt: skip
+        attempts, detected = run_job(Path(tmp), HangMonitor(cfg), 2, args, deadline_s=wait_s + 240.0 + cfg.detect_time,
+                                     max_attempts=1, worker=script)  # fmt: skip
         kinds = [e.kind for e in hang_events(Path(tmp))]
         notes = [e.message for e in hang_events(Path(tmp)) if e.kind != "hang_cleared"]
     a = attempts[0]
     res = WaitResult(name, pat.healthy, pat.frozen, len(detected), int(a.decision is not None),
                      kinds.count("hang_suspected"), p99=p99_step(a), note=notes[0][:300] if notes else "")  # fmt: skip
     res.finished = all(any(ln.startswith("done") for ln in out) for out in a.output.values())
+    res.goal = 10.0 + 3 * (res.p99 if res.p99 == res.p99 else 0.0) + (cfg.detect_time if pat.at_window else 0.0)
     at = a.fault_time()
     if not pat.healthy and a.decision is not None and a.decided_at is not None and at is not None:
         res.latency = a.decided_at - at
@@ -155,14 +170,12 @@ def wait_pattern(cfg: HangConfig, name: str, wait_s: float) -> WaitResult:
     return res
 
 
-def wait_matrix(cfg: HangConfig, wait_s: float, jobs: int, only: list[str]) -> list[WaitResult]:
+def wait_matrix(cfg: HangConfig, wait_s: float, jobs: int, only: list[str], script: Path = WAITS) -> list[WaitResult]:
     from concurrent.futures import ThreadPoolExecutor
 
-    from wait_patterns import PATTERNS
-
-    names = only or list(PATTERNS)
+    names = [n for n in patterns(script) if not only or n in only]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda n: wait_pattern(cfg, n, wait_s), names))
+        results = list(pool.map(lambda n: wait_pattern(cfg, n, wait_s, script), names))
     for r in results:
         if r.healthy:
             what = f"detected={r.detected} restarts={r.restarts} suspected={r.suspected} finished={r.finished}"
@@ -193,8 +206,11 @@ def main() -> int:
     p.add_argument("--step-time-ms", type=float, default=100.0)
     p.add_argument("--healthy-scale", type=float, default=1.0, help="scales the healthy phases' durations")
     p.add_argument("--loop-detect-time", type=float, default=60.0, help="--hang-detect-time (s) for the endless loop")
-    p.add_argument("--matrix", choices=["all", "waits", "classic"], default="all",
-                   help="waits: only the wait patterns (issue 26); classic: only the phases and faults of issue 11")
+    p.add_argument("--matrix", choices=["all", "waits", "window", "classic"], default="all",
+                   help="waits: only the wait patterns; window: only the patterns that outlast --hang-detect-time; "
+                   "classic: only the healthy phases and the classic faults")
+    p.add_argument("--window-detect-time", type=float, default=60.0,
+                   help="--hang-detect-time (s) of the window matrix; its healthy patterns last 1.4 x as long")
     p.add_argument("--wait-s", type=float, default=40.0, help="how long each healthy wait pattern waits")
     p.add_argument("--jobs", type=int, default=1, help="wait patterns run side by side")
     p.add_argument("--only", default="", help="comma-separated wait patterns (default: all)")
@@ -214,6 +230,17 @@ def main() -> int:
         print(f"wait patterns, FROZEN split: {summary(results, frozen=True)}")
         ok = all(r.ok for r in results)
         if args.matrix == "waits":
+            return 0 if ok else 1
+    if args.matrix in ("all", "window"):
+        wcfg = HangConfig(detect_time=args.window_detect_time)
+        wait = round(1.4 * wcfg.detect_time, 1)
+        print(f"window patterns (--hang-detect-time {wcfg.detect_time:g}s, healthy work of {wait:g}s, "
+              f"{args.jobs} side by side):")  # fmt: skip
+        wres = wait_matrix(wcfg, wait, args.jobs, [x for x in args.only.split(",") if x], WINDOW)
+        print(f"window patterns, tuned split: {summary(wres, frozen=False)}")
+        print(f"window patterns, FROZEN split: {summary(wres, frozen=True)}")
+        ok = ok and all(r.ok for r in wres)
+        if args.matrix == "window":
             return 0 if ok else 1
     print("healthy matrix (production settings):")
     fp, sus, phases = healthy(cfg, args.healthy_scale)

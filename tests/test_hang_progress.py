@@ -1,12 +1,13 @@
-"""Pure progress detector (detect.progress) over synthetic samples: what counts as progress, and
-the verdict on a stall (watch / suspected / detected) for the healthy phases and the faults."""
+"""Pure progress detector (detect.progress) and the verdict (detect.verdict) over synthetic
+samples: what counts as progress, and the verdict on a stall (watch / suspected / detected) for
+the healthy phases and the faults, before and at the window."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from trainguard.detect.culprit import RankView, find_culprit
-from trainguard.detect.hang import HangConfig, busy_limit, phase_allowance
+from trainguard.detect.hang import HangConfig, phase_allowance
 from trainguard.detect.progress import (
     BUSY,
     GONE,
@@ -15,12 +16,10 @@ from trainguard.detect.progress import (
     STALLED,
     STOPPED,
     UNKNOWN,
-    Limits,
     RankSamples,
-    decide_stall,
     judge_progress,
-    stopped_proof,
 )
+from trainguard.detect.verdict import JobWindow, Limits, judge_stall, stopped_proof
 from trainguard.probes.stacks import Frame
 
 SP = "/venv/lib/python3.11/site-packages/torch"
@@ -61,9 +60,10 @@ def user(func: str = "train", line: int = 60) -> tuple[Frame, ...]:
 
 
 def samples(rank: int, stacks, cpu_per_s: float = 0.0, io_moves: bool = False, state: str = "S",
-            spans=(), gpu=()) -> RankSamples:  # fmt: skip
+            spans=(), gpu=(), own_cpu_per_s: float | None = None) -> RankSamples:  # fmt: skip
     n = len(stacks)
     times = [100.0 + i for i in range(n)]
+    own = cpu_per_s if own_cpu_per_s is None else own_cpu_per_s
     return RankSamples(
         rank,
         times=times,
@@ -73,6 +73,7 @@ def samples(rank: int, stacks, cpu_per_s: float = 0.0, io_moves: bool = False, s
         stacks=list(stacks),
         spans=list(spans),
         gpu=list(gpu),
+        own_cpu=[own * i for i in range(n)],
     )
 
 
@@ -139,18 +140,29 @@ def test_progress_too_few_samples_is_unknown() -> None:
     assert judge_progress(samples(0, [user()]), CFG).kind == UNKNOWN
 
 
-# --- decide_stall ---------------------------------------------------------------------------------
+def test_progress_children_computing_is_progress_of_the_waiting_rank() -> None:
+    """DataLoader workers decoding: the rank's own frame stands still in the queue, its own CPU is
+    nil, its children's CPU moves."""
+    dl = (Frame("_next_data", f"{SP}/utils/data/dataloader.py", 1300), Frame("train", "/job/train.py", 50))
+    p = judge_progress(samples(0, [dl] * 6, cpu_per_s=1.5, own_cpu_per_s=0.0), CFG)
+    assert p.kind == PROGRESSING and p.moved == ("children",) and "child processes compute" in p.describe()
+    spin = judge_progress(samples(0, [user("spin", 5)] * 6, cpu_per_s=1.0), CFG)
+    assert spin.kind == BUSY  # its own CPU, on one frame: no child computes
 
 
-def limits(threshold: float = 6.0, learned: dict[str, float] | None = None, frozen: dict[int, float] | None = None,
-           cfg: HangConfig = CFG) -> Limits:  # fmt: skip
+# --- judge_stall ----------------------------------------------------------------------------------
+
+QUIET = JobWindow(io_quiet=700.0, util_flat=True)  # the seed's condition holds job-wide
+ALIVE_IO = JobWindow(io_quiet=1.0, util_flat=True, io_bytes=5 << 20)
+
+
+def limits(threshold: float = 6.0, learned: dict[str, float] | None = None, cfg: HangConfig = CFG) -> Limits:
     learned = learned or {}
     return Limits(
         threshold=threshold,
         detect_time=cfg.detect_time,
         allowance=lambda r, ph: phase_allowance(learned.get(ph), threshold, cfg, recognised=bool(ph)),
-        busy_limit=lambda r, ph: busy_limit(learned.get(ph), cfg),
-        frozen_for=frozen or {},
+        idle_cpu=cfg.idle_cpu,
     )
 
 
@@ -174,11 +186,30 @@ def test_stall_rank0_evaluation_while_others_wait_is_watched_then_suspected_neve
         views, {0: ev, 1: [barrier()] * 6, 2: [barrier()] * 6}, {0: {"cpu_per_s": 1.0}}
     )
     assert progress[0].kind == PROGRESSING and verdict.positions[0].phase == "forward"
-    sv = decide_stall(verdict, progress, 40.0, limits())
+    sv = judge_stall(verdict, progress, 40.0, limits())
     assert sv.state == "watch" and sv.culprit == 0 and sv.limit == 60.0  # the phase floor
-    sv = decide_stall(verdict, progress, 90.0, limits())
+    sv = judge_stall(verdict, progress, 90.0, limits())
     assert sv.state == "suspected" and sv.culprit == 0 and "progressing" in sv.why
-    assert decide_stall(verdict, progress, 600.0, limits()).state == "detected"  # the seed's window
+    # the seed's window: no I/O and flat CPU job-wide, but rank 0's stack moves on CPU: alive
+    sv = judge_stall(verdict, progress, 600.0, limits(), job=QUIET)
+    assert (sv.state, sv.rule, sv.culprit) == ("suspected", "window", 0) and "rank 0 progresses" in sv.why
+    assert judge_stall(verdict, progress, 5000.0, limits(), job=QUIET).state == "suspected"  # every window
+
+
+def test_window_without_progress_or_io_is_a_hang_and_with_io_is_not() -> None:
+    """At --hang-detect-time the seed's rule: no I/O anywhere, flat utilisation, nobody progressing.
+    A rank that only polls (its stack moves with no CPU) is not progress at the window."""
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", user("poll_flag", 12))}
+    polls = [user("poll_flag", 12 + i % 2) for i in range(6)]
+    verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: polls})
+    assert progress[1].kind == PROGRESSING and progress[1].moved == ("stack",)
+    sv = judge_stall(verdict, progress, 600.0, limits(), {}, job=QUIET)
+    assert (sv.state, sv.rule, sv.culprit) == ("detected", "detect-time", 1) and "no I/O" in sv.why
+    sv = judge_stall(verdict, progress, 600.0, limits(), {}, job=ALIVE_IO)
+    assert sv.state == "suspected" and "did I/O" in sv.why and "5.0 MB since the last step" in sv.why
+    moving_util = JobWindow(io_quiet=700.0, util_flat=False)
+    assert judge_stall(verdict, progress, 600.0, limits(), {}, job=moving_util).state == "suspected"
+    assert judge_stall(verdict, progress, 600.0, limits(), {}, job=None).state == "suspected"  # no window view
 
 
 def test_stall_learned_allowance_grows_with_the_jobs_own_phases() -> None:
@@ -186,7 +217,7 @@ def test_stall_learned_allowance_grows_with_the_jobs_own_phases() -> None:
     views = {0: RankView(0, "R", ev[-1], busy=True), 1: RankView(1, "S", barrier())}
     verdict, progress = judged(views, {0: ev, 1: [barrier()] * 6}, {0: {"cpu_per_s": 1.0}})
     assert (
-        decide_stall(verdict, progress, 100.0, limits(learned={"forward": 45.0})).state == "watch"
+        judge_stall(verdict, progress, 100.0, limits(learned={"forward": 45.0})).state == "watch"
     )  # 3 × 45 s
 
 
@@ -196,8 +227,22 @@ def test_stall_stopped_rank_after_a_save_is_detected_at_once() -> None:
     verdict, progress = judged(
         views, {0: [barrier()] * 6, 1: [user("_save_checkpoint", 9)] * 6}, {1: {"state": "T"}}
     )
-    sv = decide_stall(verdict, progress, 8.0, limits(learned={"checkpoint": 600.0}))
+    sv = judge_stall(verdict, progress, 8.0, limits(learned={"checkpoint": 600.0}))
     assert sv.state == "detected" and sv.culprit == 1 and "stopped" in sv.why
+
+
+def test_stall_gone_rank_is_a_culprit_only_while_a_peer_waits_for_it() -> None:
+    """A rank that finished and left while its peer uploads is not a culprit; the same rank gone
+    while its peer waits in a collective for it is."""
+    upload = [user("upload", 30 + i % 3) for i in range(6)]
+    views = {0: RankView(0, "S", upload[-1]), 1: RankView(1, "", ())}
+    verdict, progress = judged(views, {0: upload, 1: [()] * 3}, {0: {"io_moves": True}, 1: {"state": ""}})
+    assert progress[1].kind == GONE
+    assert judge_stall(verdict, progress, 30.0, limits()).state != "detected"
+    views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "", ())}
+    verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: [()] * 3}, {1: {"state": ""}})
+    sv = judge_stall(verdict, progress, 8.0, limits())
+    assert (sv.state, sv.culprit) == ("detected", 1)
 
 
 def test_stopped_rank_is_proof_before_the_step_threshold() -> None:
@@ -221,7 +266,7 @@ def test_stopped_rank_is_proof_before_the_step_threshold() -> None:
 def test_stall_idle_rank_before_the_collective_is_detected() -> None:
     views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", user("train", 66))}
     verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: [user("train", 66)] * 6})
-    sv = decide_stall(verdict, progress, 8.0, limits())
+    sv = judge_stall(verdict, progress, 8.0, limits())
     assert sv.state == "detected" and sv.culprit == 1 and sv.rule == "steps"
 
 
@@ -233,27 +278,53 @@ def test_stall_mismatched_collectives_detected() -> None:
     )
     views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", bc), 2: RankView(2, "S", all_reduce())}
     verdict, progress = judged(views, {0: [all_reduce()] * 6, 1: [bc] * 6, 2: [all_reduce()] * 6})
-    sv = decide_stall(verdict, progress, 8.0, limits())
+    sv = judge_stall(verdict, progress, 8.0, limits())
     assert sv.state == "detected" and sv.culprit == 1
 
 
-def test_stall_busy_loop_suspected_then_detected_when_frozen_past_its_limit() -> None:
+def test_stall_rank_serialising_inside_an_object_collective_is_no_mismatch() -> None:
+    """broadcast_object_list: rank 0 still pickles its payload (its __getstate__ runs) while
+    rank 1 waits in the same call: rank 0 is not waiting, and working is no hang."""
+    bol = f"{SP}/distributed/distributed_c10d.py"
+
+    def pickling(line: int) -> tuple[Frame, ...]:
+        return (Frame("__getstate__", "/job/index.py", line), Frame("_object_to_tensor", bol, 3000),
+                Frame("broadcast_object_list", bol, 3300), Frame("sync_index", "/job/train.py", 40))  # fmt: skip
+
+    waiting = (Frame("broadcast", bol, 2600), Frame("broadcast_object_list", bol, 3320),
+               Frame("sync_index", "/job/train.py", 40))  # fmt: skip
+    views = {0: RankView(0, "R", pickling(10), busy=True), 1: RankView(1, "S", waiting)}
+    verdict, progress = judged(views, {0: [pickling(10)] * 6, 1: [waiting] * 6}, {0: {"cpu_per_s": 1.0}})
+    assert verdict.positions[0].kind == "serialising" and not verdict.positions[0].waiting
+    assert verdict.rank == 0 and "serialising its side of broadcast_object_list" in verdict.reason
+    assert progress[0].kind == BUSY
+    assert judge_stall(verdict, progress, 30.0, limits()).state == "suspected"  # never a mismatch
+    # ... and one spinning there on one frame with no I/O is judged at the window
+    sv = judge_stall(verdict, progress, 600.0, limits(), job=QUIET)
+    assert (sv.state, sv.culprit) == ("detected", 0)
+
+
+def test_stall_busy_loop_is_a_suspicion_until_the_window_then_detected() -> None:
+    """A rank busy on the very same frame: long work or a loop, never told apart before the
+    window; at the window, with no I/O and flat utilisation job-wide, a spin."""
     views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "R", user("spin", 5), busy=True)}
     verdict, progress = judged(
         views, {0: [all_reduce()] * 6, 1: [user("spin", 5)] * 6}, {1: {"cpu_per_s": 1.0}}
     )
     assert progress[1].kind == BUSY
-    sv = decide_stall(verdict, progress, 8.0, limits(frozen={1: 8.0}))
-    assert sv.state == "suspected" and sv.culprit == 1  # busy: a loop or long work, not known yet
-    sv = decide_stall(verdict, progress, 700.0, limits(frozen={1: 700.0}))
-    assert sv.state == "detected" and sv.culprit == 1
+    for stall in (8.0, 300.0, 599.0):
+        sv = judge_stall(verdict, progress, stall, limits(learned={"": 2.0}))
+        assert sv.state == "suspected" and sv.culprit == 1, stall
+    sv = judge_stall(verdict, progress, 700.0, limits(), job=QUIET)
+    assert sv.state == "detected" and sv.culprit == 1 and "no rank progressing" in sv.why
+    assert judge_stall(verdict, progress, 700.0, limits(), job=ALIVE_IO).state == "suspected"
 
 
 def test_stall_all_ranks_evaluating_without_collective_is_watched() -> None:
     evs = {r: [forward(20 + (i + r) % 4) for i in range(6)] for r in (0, 1)}
     views = {r: RankView(r, "R", evs[r][-1], busy=True) for r in (0, 1)}
     verdict, progress = judged(views, evs, {0: {"cpu_per_s": 1.0}, 1: {"cpu_per_s": 1.0}})
-    assert decide_stall(verdict, progress, 30.0, limits()).state == "watch"
+    assert judge_stall(verdict, progress, 30.0, limits()).state == "watch"
 
 
 def test_stall_dataloader_blocking_while_workers_compute_is_watched() -> None:
@@ -265,7 +336,7 @@ def test_stall_dataloader_blocking_while_workers_compute_is_watched() -> None:
         views, {0: [dl] * 6, 1: [dl] * 6}, {0: {"cpu_per_s": 1.5}, 1: {"cpu_per_s": 1.5}}
     )
     assert {p.kind for p in progress.values()} == {BUSY}
-    sv = decide_stall(verdict, progress, 20.0, limits(frozen={0: 20.0, 1: 20.0}))
+    sv = judge_stall(verdict, progress, 20.0, limits())
     assert sv.state == "watch" and sv.phase == "dataloader"
 
 
@@ -273,4 +344,5 @@ def test_stall_waiting_for_more_samples() -> None:
     views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "S", user())}
     verdict = find_culprit(views)
     progress = {r: judge_progress(samples(r, [views[r].frames]), CFG) for r in views}
-    assert decide_stall(verdict, progress, 8.0, limits()).state == "watch"
+    assert judge_stall(verdict, progress, 8.0, limits()).state == "watch"
+    assert judge_stall(verdict, progress, 600.0, limits(), job=QUIET).state == "watch"  # the window waits too

@@ -19,7 +19,8 @@ from tgtest import SCRIPTS, wait_for
 
 from trainguard.detect.culprit import RankView, find_culprit
 from trainguard.detect.hang import HangConfig
-from trainguard.detect.progress import STALLED, Limits, Progress, RankSamples, decide_stall, judge_progress
+from trainguard.detect.progress import STALLED, Progress, RankSamples, judge_progress
+from trainguard.detect.verdict import JobWindow, Limits, judge_stall
 from trainguard.detect.waits import Wait, classify_wait
 from trainguard.probes import proc, waits
 from trainguard.probes.stacks import Frame
@@ -111,8 +112,9 @@ def samples(rank: int, stacks, state: str = "S", net=()) -> RankSamples:
 
 
 def limits(**kw) -> Limits:
-    return Limits(threshold=5.0, detect_time=600.0, allowance=lambda r, ph: 5.0 if not ph else 60.0,
-                  busy_limit=lambda r, ph: 600.0, **kw)  # fmt: skip
+    return Limits(threshold=5.0, detect_time=600.0, allowance=lambda r, ph: 5.0 if not ph else 60.0, **kw)
+
+QUIET = JobWindow(io_quiet=700.0, util_flat=True)  # the seed's condition holds job-wide
 
 
 def judged(views, stacks, **kw):
@@ -125,11 +127,11 @@ def test_stall_idle_rank_on_a_live_socket_is_a_named_suspicion_until_detect_time
     views = {0: RankView(0, "S", user("fetch")), 1: RankView(1, "S", c10d("barrier"))}
     verdict, progress = judged(views, {0: [user("fetch")] * 6, 1: [c10d("barrier")] * 6})
     live = {0: classify_wait(facts("recvfrom", FdFact(3, "socket", "socket:[7]", sock())))}
-    sv = decide_stall(verdict, progress, 30.0, limits(), live)
+    sv = judge_stall(verdict, progress, 30.0, limits(), live)
     assert sv.state == "suspected" and sv.culprit == 0 and "10.0.0.9:443" in sv.why, sv
-    assert decide_stall(verdict, progress, 600.0, limits(), live).state == "detected"  # the seed's window
+    assert judge_stall(verdict, progress, 600.0, limits(), live, job=QUIET).state == "detected"  # the seed's window
     dead = {0: classify_wait(facts("recvfrom", FdFact(3, "socket", "socket:[7]", sock(), (STOPPED_SERVER,))))}
-    sv = decide_stall(verdict, progress, 8.0, limits(), dead)
+    sv = judge_stall(verdict, progress, 8.0, limits(), dead)
     assert sv.state == "detected" and sv.culprit == 0 and "stopped" in sv.why
 
 
@@ -143,9 +145,9 @@ def test_stall_a_sleep_past_the_detect_window_is_proof_a_shorter_one_is_not() ->
     views = {0: RankView(0, "S", c10d("all_reduce")), 1: RankView(1, "S", user("backoff"))}
     verdict, progress = judged(views, {0: [c10d("all_reduce")] * 6, 1: [user("backoff")] * 6})
     short = {1: Wait("sleep", False, "a sleep (35s left)", sleep_left=35.0)}
-    assert decide_stall(verdict, progress, 8.0, limits(), short).state == "suspected"
+    assert judge_stall(verdict, progress, 8.0, limits(), short).state == "suspected"
     long = {1: Wait("sleep", False, "a sleep (3590s left)", sleep_left=3590.0)}
-    sv = decide_stall(verdict, progress, 8.0, limits(), long)
+    sv = judge_stall(verdict, progress, 8.0, limits(), long)
     assert sv.state == "detected" and sv.culprit == 1 and "--hang-detect-time" in sv.why
 
 
@@ -154,8 +156,8 @@ def test_stall_a_lone_idle_rank_is_waited_for_when_ranks_on_other_nodes_wait() -
     verdict = find_culprit(views, nnodes=2)
     progress = {1: judge_progress(samples(1, [user("backoff")] * 6), CFG)}
     long = {1: Wait("sleep", False, "a sleep (3590s left)", sleep_left=3590.0)}
-    assert decide_stall(verdict, progress, 8.0, limits(), long).state == "suspected"  # alone: nobody waits for it
-    sv = decide_stall(verdict, progress, 8.0, limits(), long, others_wait=True)
+    assert judge_stall(verdict, progress, 8.0, limits(), long).state == "suspected"  # alone: nobody waits for it
+    sv = judge_stall(verdict, progress, 8.0, limits(), long, others_wait=True)
     assert sv.state == "detected" and sv.culprit == 1
 
 
@@ -163,16 +165,16 @@ def test_stall_all_ranks_idle_with_nobody_waiting_is_never_a_fast_verdict() -> N
     views = {r: RankView(r, "S", user("sleep_epoch")) for r in (0, 1)}
     verdict, progress = judged(views, {r: [user("sleep_epoch")] * 6 for r in (0, 1)})
     for w in ({}, {r: Wait("sleep", False, "a sleep", sleep_left=5000.0) for r in (0, 1)}):
-        assert decide_stall(verdict, progress, 500.0, limits(), w).state == "suspected"
-    assert decide_stall(verdict, progress, 600.0, limits(), {}).state == "detected"
+        assert judge_stall(verdict, progress, 500.0, limits(), w).state == "suspected"
+    assert judge_stall(verdict, progress, 600.0, limits(), {}, job=QUIET).state == "detected"
 
 
 def test_stall_uninterruptible_sleep_is_proof_only_past_the_long_limit() -> None:
     views = {0: RankView(0, "D", user("sync")), 1: RankView(1, "S", c10d("barrier"))}
     verdict, progress = judged(views, {0: [user("sync")] * 6, 1: [c10d("barrier")] * 6})
     progress[0] = Progress(STALLED, seconds=5.0)
-    assert decide_stall(verdict, progress, 30.0, limits(stalled_limit=120.0, stalled_for={0: 30.0}), {}).state == "watch"
-    sv = decide_stall(verdict, progress, 130.0, limits(stalled_limit=120.0, stalled_for={0: 125.0}), {})
+    assert judge_stall(verdict, progress, 30.0, limits(stalled_limit=120.0, stalled_for={0: 30.0}), {}).state == "watch"
+    sv = judge_stall(verdict, progress, 130.0, limits(stalled_limit=120.0, stalled_for={0: 125.0}), {})
     assert sv.state == "detected" and sv.culprit == 0
 
 

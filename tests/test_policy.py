@@ -345,15 +345,17 @@ def test_hang_restarts_with_the_culprit():
 
 
 def test_hang_suspicion_or_progressing_culprit_never_restarts():
-    """Only a detected hang with no-progress evidence (or the seed's window passed) restarts."""
+    """Only a detected hang with no-progress evidence restarts; a progressing culprit never does,
+    at the seed's window neither."""
     from trainguard.evidence import HangEvidence
 
     assert P.decide_on_hang(HangEvidence(0, "steps", "rank 0 evaluates", level="suspected", progress="progressing")) is None
-    assert P.decide_on_hang(HangEvidence(0, "steps", "rank 0 evaluates", progress="progressing")) is None
-    for rule in ("detect-time", "io+utilisation"):
-        d = P.decide_on_hang(HangEvidence(0, rule, "rank 0 loops", progress="progressing"))
+    for rule in ("steps", "detect-time", "io+utilisation"):
+        assert P.decide_on_hang(HangEvidence(0, rule, "rank 0 evaluates", progress="progressing")) is None, rule
+    for rule in ("detect-time", "io+utilisation"):  # a spin on one frame at the window
+        d = P.decide_on_hang(HangEvidence(0, rule, "rank 0 loops", progress="busy"))
         assert d is not None and d.action == Action.RESTART, rule
-    for kind in ("busy", "idle", "stopped", "stalled", "gone"):  # busy: the same frame past its limit
+    for kind in ("busy", "idle", "stopped", "stalled", "gone"):
         d = P.decide_on_hang(HangEvidence(1, "steps", "no progress", progress=kind))
         assert d is not None and d.action == Action.RESTART, kind
     s = P.decide_while_running(HangEvidence(0, "steps", "x", level="suspected", progress="busy"), P.PolicySettings(), 1)

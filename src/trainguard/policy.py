@@ -426,20 +426,16 @@ def decide_before_start(
 # ------------------------------------------------------------------------- while running
 
 
-# Rules whose verdict stands whatever the culprit does: the seed's windows (no step, or no I/O
-# and flat utilisation, for --hang-detect-time).
-HANG_WINDOW_RULES = ("detect-time", "io+utilisation")
-
-
 def decide_on_hang(hang: HangEvidence) -> Decision | None:
     """A hang restarts the job (torch elastic then uses the restart budget) only when detected on
-    evidence that rules out healthy work: the culprit shows no progress, or the seed's window
-    passed. A suspicion (steps stopped, the culprit busy and progressing) is a warning the monitor
-    already recorded: keep watching (None)."""
+    evidence that rules out healthy work: the culprit's wait is proven dead, or at the seed's
+    window nothing in the job moved (no I/O, flat utilisation, no rank progressing). A suspicion
+    is a warning the monitor already recorded: keep watching (None). A culprit that progresses is
+    never killed, whatever the rule says."""
     if hang.level != "detected":
         return None
-    if hang.progressing and hang.rule not in HANG_WINDOW_RULES:
-        return None  # a progressing culprit is never killed before the seed's window
+    if hang.progressing:
+        return None
     who = f"rank {hang.rank}" if hang.rank is not None else "no single rank"
     return Decision(
         Action.RESTART,

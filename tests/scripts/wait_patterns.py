@@ -50,6 +50,9 @@ class Pattern:
     culprit: int | None  # the rank a fault's verdict must name (None: healthy)
     frozen: bool  # the held-out split: not looked at while the detector is tuned
     what: str
+    before: int | None = None  # DDP steps before the wait (None: --steps-before)
+    after: int | None = None  # ... and after it (None: --steps-after)
+    at_window: bool = False  # a fault only the window can judge (a spin): detected at --hang-detect-time
 
 
 PATTERNS: dict[str, Pattern] = {
@@ -390,19 +393,25 @@ def hf_eval(c: Ctx, stop: bool = False) -> None:
     """A Hugging Face Trainer (tiny GPT-2 from a config, no downloads) that evaluates every 3
     steps; rank 0's compute_metrics scores the gathered predictions with a slow remote service the
     first time, while rank 1 goes on to the next step and waits there in its collective."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from token_data import Tokens
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
     port = 0
     if c.rank == 0:
         extra = ["--stop-after", "100000"] if stop else []
         _, port = helper("http", "--rate", "40000", "--seconds", str(c.wait), *extra)
-    scored: list[int] = []
+    hf_trainer(c, lambda: download(f"http://127.0.0.1:{port}/score", "hf_eval_server_stopped" if stop else ""))
+
+
+def hf_trainer(c: Ctx, first_metrics: Callable[[], object]) -> None:
+    """A Hugging Face Trainer (tiny GPT-2 from a config) evaluating every 3 steps; rank 0's
+    compute_metrics runs ``first_metrics`` the first time."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from token_data import Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    scored: list[object] = []
 
     def metrics(pred) -> dict:
         if c.rank == 0 and not scored:
-            scored.append(download(f"http://127.0.0.1:{port}/score", "hf_eval_server_stopped" if stop else ""))
+            scored.append(first_metrics())
         return {"n": float(len(pred.label_ids))}
 
     class Steps(TrainerCallback):
@@ -424,6 +433,18 @@ def lightning_val(c: Ctx, stop: bool = False) -> None:
     """A Lightning fit (DDP on the job's gloo group) that validates every 3 steps with a synced
     metric; at the end of the first validation rank 0 runs an evaluator CLI (a child that waits on
     a remote service) while rank 1 waits in the next collective."""
+
+    def after_first_validation() -> None:
+        if c.rank == 0:
+            child_stopped(c) if stop else child_idle(c)
+
+    lightning_fit(c, after_first_validation)
+
+
+def lightning_fit(c: Ctx, after_first_validation: Callable[[], None] = lambda: None,
+                  first_validation_step: Callable[[], None] = lambda: None, val_batches: int = 2) -> None:  # fmt: skip
+    """A Lightning fit (DDP on the job's gloo group), validating every 3 steps with a synced
+    metric; the hooks run during (each batch) and after the first validation."""
     import lightning.pytorch as pl
 
     evaluated: list[bool] = []
@@ -437,15 +458,14 @@ def lightning_val(c: Ctx, stop: bool = False) -> None:
             return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def validation_step(self, batch, batch_idx):
+            if not evaluated:
+                first_validation_step()
             self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
 
         def on_validation_epoch_end(self) -> None:
-            if c.rank == 0 and not evaluated:
+            if not evaluated:
                 evaluated.append(True)
-                if stop:
-                    child_stopped(c)
-                else:
-                    child_idle(c)
+                after_first_validation()
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             step_line(c)
@@ -456,7 +476,7 @@ def lightning_val(c: Ctx, stop: bool = False) -> None:
     x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
     trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp", max_steps=6,
-                         val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
+                         val_check_interval=3, limit_val_batches=val_batches, num_sanity_val_steps=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=os.path.join(c.tmp, f"pl-{c.rank}"))  # fmt: skip
     loader = functools.partial(torch.utils.data.DataLoader, data, batch_size=8)
@@ -535,14 +555,18 @@ WAITS: dict[str, Callable[[Ctx], None]] = {
 assert set(WAITS) == set(PATTERNS)
 
 
-def main() -> int:
+def main(patterns: dict[str, Pattern] = PATTERNS, waits: dict[str, Callable[[Ctx], None]] = WAITS) -> int:
+    """Run one pattern of ``patterns`` (``waits``: its code) between two runs of DDP steps."""
     p = argparse.ArgumentParser()
-    p.add_argument("--pattern", required=True, choices=sorted(PATTERNS))
+    p.add_argument("--pattern", required=True, choices=sorted(patterns))
     p.add_argument("--wait-s", type=float, default=40.0)
     p.add_argument("--steps-before", type=int, default=15)
     p.add_argument("--steps-after", type=int, default=5)
     p.add_argument("--step-time-ms", type=float, default=50.0)
     args = p.parse_args()
+    pattern = patterns[args.pattern]
+    before = args.steps_before if pattern.before is None else pattern.before
+    after = args.steps_after if pattern.after is None else pattern.after
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -568,22 +592,29 @@ def main() -> int:
     base = os.environ.get("TRAINGUARD_RUN_DIR") or tempfile.gettempdir()
     tmp = os.path.join(base, f"tg-waits-{os.environ['MASTER_PORT']}")
     os.makedirs(tmp, exist_ok=True)
-    pattern = PATTERNS[args.pattern]
     ctx = Ctx(rank, args.wait_s, tmp, live=not pattern.healthy and attempt() == 0)
-    train(args.steps_before)
+    train(before)
     ctx.step = step
     t0 = time.monotonic()
     try:
-        WAITS[args.pattern](ctx)
+        waits[args.pattern](ctx)
     finally:
         kill_helpers()
     print(f"phase={args.pattern} rank={rank} seconds={time.monotonic() - t0:.1f}", flush=True)
-    train(args.steps_after)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    train(after)
+    finish(ctx)
+    return 0
+
+
+def finish(c: Ctx, barrier: bool = True) -> None:
+    """The job's end: an exit barrier, the process group destroyed, ``done``; never returns."""
+    if barrier:
+        dist.barrier()
+    if c.rank == 0:
+        shutil.rmtree(c.tmp, ignore_errors=True)
     dist.destroy_process_group()
-    print(f"done rank={rank}", flush=True)
+    print(f"done rank={c.rank}", flush=True)
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip gloo's teardown race under load (see hang_worker.py)
 

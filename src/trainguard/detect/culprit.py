@@ -41,9 +41,12 @@ class RankView:
 WAITING = ("collective", "backward", "device", "init")
 # Most telling first: used to pick one culprit among several odd ranks.
 PRIORITY = (
-    "stopped", "gone", "user", "dataloader", "checkpoint", "eval", "forward", "collective", "backward", "device", "init",
-    "exiting", "unknown",
+    "stopped", "gone", "user", "serialising", "dataloader", "checkpoint", "eval", "forward", "collective", "backward",
+    "device", "init", "exiting", "unknown",
 )  # fmt: skip
+# c10d's helpers that pickle or unpickle an object collective's payload: a rank in them (or in
+# the user's __getstate__/__reduce__ below them) is still preparing its side, not waiting.
+_SERIALISE_FUNCS = {"_object_to_tensor", "_tensor_to_object"}
 
 _C10D = "torch/distributed/distributed_c10d.py"
 _INIT_FUNCS = {"init_process_group", "new_group", "_new_group_with_tag", "_store_based_barrier", "rendezvous"}
@@ -62,7 +65,7 @@ _EXITING_ERRORS = ("failed to find a python interpreter", "interpreter finalised
 
 @dataclass(frozen=True)
 class Position:
-    kind: str  # stopped gone exiting collective backward device init dataloader checkpoint eval forward user unknown
+    kind: str  # stopped gone exiting collective serialising backward device init dataloader checkpoint eval forward user unknown
     op: str = ""  # collective name (all_reduce, broadcast, ...)
     site: str = ""  # innermost frame of the user's own code: "file:line in func"
     busy: bool = False
@@ -83,6 +86,8 @@ class Position:
             "gone": "exited" if plural else "has exited",
             "exiting": f"{is_} exiting (Python already finalised)",
             "collective": f"{wait} in {self.op}",
+            "serialising": f"{is_} serialising its side of {self.op} (on CPU)" if self.busy
+            else f"{is_} serialising its side of {self.op}",
             "backward": f"{wait} in backward (DDP gradient all-reduce)",
             "device": f"{wait} for the GPU ({self.op}: queued NCCL kernels)",
             "init": f"{wait} in process-group initialisation ({self.op})",
@@ -134,6 +139,15 @@ def _phase(frames: Sequence[FrameLike]) -> str:
     return "forward" if forward else ""
 
 
+def _serialising(frames: Sequence[FrameLike], innermost_c10d: FrameLike) -> bool:
+    """Inside an object collective but still pickling or unpickling its payload: the innermost
+    c10d frame is a serialisation helper, or the user's own code (a ``__getstate__``) runs below it."""
+    if innermost_c10d.name in _SERIALISE_FUNCS:
+        return True
+    deeper = frames[: next(i for i, fr in enumerate(frames) if fr is innermost_c10d)]
+    return any(not _is_library(fr.filename) for fr in deeper)
+
+
 def classify(view: RankView) -> Position:
     """Where one rank is (see Position.kind)."""
     if view.state in ("T", "t"):
@@ -152,6 +166,8 @@ def classify(view: RankView) -> Position:
         op = public[-1]  # the outermost: what the user called (all_gather_object, not all_gather)
         if any(fr.name in _INIT_FUNCS for fr in c10d):
             return Position("init", op=next(fr.name for fr in reversed(c10d) if fr.name in _INIT_FUNCS), site=site, phase=phase)
+        if _serialising(frames, c10d[0]):
+            return Position("serialising", op=op, site=site, busy=view.busy, phase=phase)
         return Position("collective", op=op, site=site, busy=view.busy, phase=phase)
     for fr in frames:
         f = fr.filename.replace("\\", "/")

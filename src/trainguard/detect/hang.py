@@ -12,8 +12,9 @@
    is busy and progressing makes it at most a suspicion. The first steps (compilation, warm-up,
    rendezvous) never count: the threshold is trusted after ``min_step_gaps`` regular steps. Long
    healthy pauses (checkpoint saves, evaluation, DataLoader refills) get allowances learned from
-   the job's own earlier pauses of the same kind (``phase_allowance``); no step at all for
-   ``detect_time`` is a hang whatever the ranks do (the seed's window).
+   the job's own earlier pauses of the same kind (``phase_allowance``). No step for
+   ``detect_time`` is judged by the seed's rule above (detect.verdict): only no I/O anywhere in the
+   job, flat utilisation and no rank progressing make it a hang; otherwise it stays a suspicion.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Activity:
     cpu: float  # CPU seconds
     state: str = "S"
     alive: bool = True
+    net: int | None = None  # bytes its tree's sockets moved outside the job (None: unknown)
 
 
 class StepLike(Protocol):
@@ -108,23 +110,34 @@ class UtilVerdict:
         }
 
 
-def series_stats(values: Sequence[float], cfg: HangConfig) -> SeriesStats:
+# A CPU series shares its cores with every other process of the machine: a rank spinning on one
+# frame reads 55-100 % on a loaded 2-core box (bench/hang.py, window matrix). Its limits grow with
+# the level (a fraction of the median); a GPU's series keeps the seed's absolute limits.
+CPU_STDEV_FRACTION = 0.3
+CPU_SHIFT_FRACTION = 0.15
+
+
+def series_stats(values: Sequence[float], cfg: HangConfig, relative: bool = False) -> SeriesStats:
     median = statistics.median(values)
     stdev = statistics.pstdev(values) if len(values) > 1 else 0.0
     half = len(values) // 2
     shift = abs(statistics.median(values[half:]) - statistics.median(values[:half])) if half else 0.0
-    return SeriesStats(median, stdev, shift, stdev <= cfg.util_max_stdev and shift <= cfg.util_max_shift)
+    max_stdev, max_shift = cfg.util_max_stdev, cfg.util_max_shift
+    if relative:
+        max_stdev = max(max_stdev, CPU_STDEV_FRACTION * median)
+        max_shift = max(max_shift, CPU_SHIFT_FRACTION * median)
+    return SeriesStats(median, stdev, shift, stdev <= max_stdev and shift <= max_shift)
 
 
 def judge_utilisation(samples: Sequence[Sequence[float]], cfg: HangConfig, source: str = "cpu") -> UtilVerdict:
     """``samples[i][j]``: utilisation (0-100) of series j (a GPU, or a rank's CPU) at sample i.
 
-    Unchanged when every series is flat. Fewer than 3 samples is never "unchanged": too little
+    Unchanged when every series is flat (a CPU series within limits relative to its level). Fewer than 3 samples is never "unchanged": too little
     to judge."""
     width = min((len(s) for s in samples), default=0)
     if len(samples) < 3 or width == 0:
         return UtilVerdict(False, len(samples), (), source)
-    series = tuple(series_stats([s[j] for s in samples], cfg) for j in range(width))
+    series = tuple(series_stats([s[j] for s in samples], cfg, relative=source == "cpu") for j in range(width))
     return UtilVerdict(all(s.unchanged for s in series), len(samples), series, source)
 
 
@@ -208,17 +221,6 @@ def phase_allowance(longest_seen: float | None, threshold: float, cfg: HangConfi
     return min(cfg.detect_time, max(threshold, floor, learned))
 
 
-def busy_limit(longest_seen: float | None, cfg: HangConfig) -> float:
-    """How long a rank may stay busy on the very same frame (no I/O, no span, flat GPU) before it
-    counts as stuck. Busy work cannot be told from a busy loop within seconds (a long evaluation
-    spends most samples in one ``Linear.forward``), so only what the job itself showed shortens
-    ``detect_time``: ``phase_factor`` × the longest healthy pause of that kind, at least
-    ``phase_floor``."""
-    if not longest_seen:
-        return cfg.detect_time
-    return min(cfg.detect_time, max(cfg.phase_floor, cfg.phase_factor * longest_seen))
-
-
 def first_step_allowance(longest_first: float | None, cfg: HangConfig) -> float | None:
     """Seconds from the workers' start to their first step before a stall is judged, learned from
     earlier attempts (``phase_factor`` × the longest seen, at least ``first_step_floor``). None
@@ -254,15 +256,20 @@ class HangDetector:
         self._util: deque[tuple[float, tuple[float, ...], str]] = deque(maxlen=max(keep, 8))
         self.cpu_percent: dict[int, float] = {}
         self.states: dict[int, str] = {}
+        self.io_total = 0  # bytes read + written + moved through sockets by the job, as last summed
 
     def observe(self, now: float, activity: Sequence[Activity], gpu_util: Sequence[float] | None = None) -> None:
         """One sampling round. ``gpu_util``: percent per GPU, or None to use each rank's CPU."""
         cpu: list[float] = []
+        total = 0
         for a in sorted(activity, key=lambda a: a.rank):
+            total += (sum(a.io[:2]) if a.io else 0) + (a.net or 0)
             prev = self._prev.get(a.rank)
             if prev is not None:
                 t0, p = prev
-                if a.io is not None and p.io is not None and a.io != p.io:
+                # Socket reads do not move /proc/<pid>/io: a download is I/O of the job too.
+                if (a.io is not None and p.io is not None and a.io != p.io) or (
+                        a.net is not None and p.net is not None and a.net != p.net):  # fmt: skip
                     self.last_io_change = now
                 dt = now - t0
                 pct = 100.0 * max(0.0, a.cpu - p.cpu) / dt if dt > 0 else 0.0
@@ -270,6 +277,7 @@ class HangDetector:
                 cpu.append(pct)
             self._prev[a.rank] = (now, a)
             self.states[a.rank] = a.state if a.alive else (a.state or "gone")
+        self.io_total = max(self.io_total, total)  # a tree that lost a child must not count backwards
         if self._util and now - self._util[-1][0] < 0.5 * self.cfg.period:
             return  # an extra look between rounds: too short an interval for a utilisation sample
         if gpu_util is not None:

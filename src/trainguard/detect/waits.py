@@ -71,7 +71,13 @@ def _size(n: int) -> str:
 
 
 def _dead_procs(procs: Sequence[ProcLike]) -> bool:
-    return bool(procs) and all(p.state in ("T", "t", "", "Z", "X") for p in procs)
+    """Every one of them is stopped, gone, or stuck for ever (probes.waits.stuck_reason)."""
+    return bool(procs) and all(p.state in ("T", "t", "", "Z", "X") or getattr(p, "stuck", "") for p in procs)
+
+
+def _stuck_text(procs: Sequence[ProcLike]) -> str:
+    """Why the stuck ones among ``procs`` can never act ("" when none is)."""
+    return "; ".join(f"pid {p.pid}: {p.stuck}" for p in procs if getattr(p, "stuck", ""))
 
 
 def _proc_text(procs: Sequence[ProcLike]) -> str:
@@ -92,7 +98,9 @@ def _socket(fd: Any) -> Wait:
     if s.state in CLOSED:
         return Wait("socket", True, what, f"the connection is {s.state}: the peer closed it and no data can come")
     if _dead_procs(fd.others):
-        return Wait("socket", True, what, f"the peer process {_proc_text(fd.others)} is stopped or gone")
+        stuck = _stuck_text(fd.others)
+        return Wait("socket", True, what, f"the peer process {_proc_text(fd.others)} is stopped or gone"
+                    + (f" or stuck ({stuck})" if stuck else ""))  # fmt: skip
     if fd.others:
         what += f", served by {_proc_text(fd.others)}"
     return Wait("socket", False, what)
@@ -105,7 +113,8 @@ def _pipe(fd: Any) -> Wait:
     if not fd.others and fd.self_writer:
         return Wait("pipe", True, what, "its only writer is the rank itself: nobody else can write to it")
     if fd.others and _dead_procs(fd.others):
-        return Wait("pipe", True, what, "every other writer is stopped or gone")
+        stuck = _stuck_text(fd.others)
+        return Wait("pipe", True, what, "every other writer is stopped or gone" + (f" or stuck ({stuck})" if stuck else ""))
     return Wait("pipe", False, what)
 
 
@@ -133,11 +142,12 @@ def _innermost_user(frames: Sequence[FrameLike]) -> bool:
 
 
 def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: int = 0,
-                  in_flight: str = "") -> Wait:  # fmt: skip
+                  in_flight: str = "", python_tids: Sequence[int] = ()) -> Wait:  # fmt: skip
     """The wait of one rank's main thread. ``facts``: probes.waits.WaitFacts; ``frames``: its
     Python stack, innermost first; ``python_threads``: threads with Python frames (py-spy);
     ``in_flight``: the collective torch's Flight Recorder shows the rank has started and not
-    finished ("all_reduce #12 of process group 0"), if any."""
+    finished ("all_reduce #12 of process group 0"), if any; ``python_tids``: the kernel tasks of
+    those Python threads (py-spy's os thread ids)."""
     if frames and frames[0].name == CHAOS_HOLD:
         return Wait("chaos", True, "trainguard chaos hang", "held by `trainguard chaos hang` until the job restarts")
     call = facts.syscall.name
@@ -147,6 +157,8 @@ def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: 
         what = f"its child {_proc_text(kids)}" if kids else "a child process"
         if any(c.state in ("T", "t") for c in kids):
             return Wait("child", True, what, "the child is stopped", syscall=call)
+        if kids and all(getattr(c, "stuck", "") for c in kids):
+            return Wait("child", True, what, f"the child can never act: {_stuck_text(kids)}", syscall=call)
         return Wait("child", False, what, syscall=call)
     if call in ("flock", "fcntl"):
         what = "a file lock" + (f" held by {_proc_text(facts.lock_holders)}" if facts.lock_holders else "")
@@ -175,17 +187,26 @@ def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: 
     if call in _SYNC_CALLS:
         return Wait("sync", False, f"{call}() flushing to storage", syscall=call)
     if call == "futex":
-        return _futex(facts, frames, python_threads, in_flight)
+        return _futex(facts, frames, python_threads, in_flight, python_tids)
     if call == "running":
         return Wait("running", False, "on CPU", syscall=call)
     return Wait("unknown", False, f"system call {call or 'unreadable'}" + (f" ({facts.wchan})" if facts.wchan else ""),
                 syscall=call)  # fmt: skip
 
 
-def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int, in_flight: str = "") -> Wait:
+def _forever(call: Any) -> bool:
+    """A wait on a process-private futex with no timeout (probes.waits.forever_futex)."""
+    a = getattr(call, "args", ())
+    return getattr(call, "name", "") == "futex" and len(a) >= 4 and (a[1] & 0x7F) in (0, 9) and bool(a[1] & 128) and a[3] == 0
+
+
+def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int, in_flight: str = "",
+           python_tids: Sequence[int] = ()) -> Wait:  # fmt: skip
     """A lock or condition. From the rank's own code with no timeout and no other Python thread
-    that could ever release it, it is the rank re-acquiring a lock it holds; unless the rank has a
-    collective in flight: a native thread of its backend releases the condition that
+    that could ever release it, it is the rank re-acquiring a lock it holds; with several Python
+    threads, when every one of them waits on a process-private lock with no timeout (a lock-order
+    deadlock: Python locks are released by Python code, and none is left running). Unless the rank
+    has a collective in flight: a native thread of its backend releases the condition that
     ``Work.wait()`` (an async collective) waits on when the peers join, and no Python thread takes
     part in that."""
     args = facts.syscall.args
@@ -198,4 +219,9 @@ def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int, in_flig
     if no_timeout and _innermost_user(frames) and python_threads == 1:
         return Wait("lock", True, what, "no timeout and no other Python thread could release it (re-acquiring its "
                     "own lock)", syscall="futex")  # fmt: skip
+    tasks = getattr(facts, "tasks", {}) or {}
+    if (len(python_tids) >= 2 and len(python_tids) == python_threads and _forever(facts.syscall)
+            and all(t in tasks and _forever(tasks[t]) for t in python_tids)):  # fmt: skip
+        return Wait("lock", True, what, f"all {len(python_tids)} Python threads wait on process-private locks with no "
+                    "timeout: none is left running to release them (a lock-order deadlock)", syscall="futex")  # fmt: skip
     return Wait("lock", False, what + (f" ({python_threads} Python threads)" if python_threads else ""), syscall="futex")

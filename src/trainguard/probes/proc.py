@@ -33,6 +33,7 @@ class ProcSample:
     child_states: tuple[str, ...] = ()
     tree: tuple[int, ...] = ()  # the worker's pid and its descendants'
     net: int | None = None  # bytes its tree's TCP sockets moved, outside the job (probes.waits.net_bytes)
+    own_cpu: float = 0.0  # user + system seconds of the worker process alone (``cpu`` less its children's)
 
 
 def read_io(pid: int) -> tuple[int, ...] | None:
@@ -86,7 +87,8 @@ def sample(rank: int, pid: int, now: float) -> ProcSample:
         return ProcSample(rank, pid, now, alive=True, state=read_state(pid), io=None, cpu=0.0)
     # children_* hold the times of reaped children, so a DataLoader worker that exits does not
     # make the total go backwards.
-    cpu = times.user + times.system + times.children_user + times.children_system
+    own = times.user + times.system
+    cpu = own + times.children_user + times.children_system
     io = read_io(pid)
     child_states = []
     for child in children:
@@ -108,6 +110,7 @@ def sample(rank: int, pid: int, now: float) -> ProcSample:
         children=len(children),
         child_states=tuple(child_states),
         tree=(pid, *(c.pid for c in children)),
+        own_cpu=own,
     )
 
 

@@ -40,6 +40,7 @@ class ThreadStack:
     active: bool  # py-spy's view: running (not idle/waiting)
     owns_gil: bool
     frames: tuple[Frame, ...]  # innermost first, as py-spy prints them
+    os_tid: int = 0  # the kernel task (/proc/<pid>/task/<os_tid>); 0 when py-spy did not say
 
 
 @dataclass
@@ -91,6 +92,7 @@ def parse_pyspy_json(text: str) -> list[ThreadStack]:
                 active=bool(t.get("active")),
                 owns_gil=bool(t.get("owns_gil")),
                 frames=frames,
+                os_tid=int(t.get("os_thread_id") or 0),
             )
         )
     return threads

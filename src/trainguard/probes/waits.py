@@ -296,18 +296,76 @@ class ProcInfo:
     pid: int
     state: str  # /proc state letter, "" when gone
     cmd: str
+    stuck: str = ""  # why none of its threads can ever run again (stuck_reason); "" when not proven
 
     def describe(self) -> str:
         return f"pid {self.pid} ({self.cmd or '?'}, state {self.state or 'gone'})"
 
 
-def proc_info(pid: int) -> ProcInfo:
+def proc_info(pid: int, waiter: int | None = None) -> ProcInfo:
+    """A process, named; ``waiter``: the blocked rank that waits on it (then ``stuck`` says
+    whether it can never act either)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         cmd = ""
-    return ProcInfo(pid, read_state(pid), cmd[:120])
+    return ProcInfo(pid, read_state(pid), cmd[:120], stuck_reason(pid, waiter) if waiter else "")
+
+
+# --------------------------------------------------------------------------------------------
+# threads that can never run again
+
+FUTEX_PRIVATE = 128  # FUTEX_PRIVATE_FLAG: only a thread of the same process can wake it
+_FUTEX_WAITS = (0, 9)  # FUTEX_WAIT, FUTEX_WAIT_BITSET
+_WRITE_CALLS = ("write", "writev")
+
+
+def forever_futex(call: Syscall) -> bool:
+    """A wait on a process-private futex with no timeout (what a ``threading.Lock.acquire()``
+    without timeout is): only another thread of the same process can end it."""
+    a = call.args
+    return (call.name == "futex" and len(a) >= 4 and (a[1] & 0x7F) in _FUTEX_WAITS
+            and bool(a[1] & FUTEX_PRIVATE) and a[3] == 0)  # fmt: skip
+
+
+def task_calls(pid: int) -> dict[int, Syscall]:
+    """tid -> the system call each thread of ``pid`` is blocked in."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return {}
+    return {tid: read_syscall(pid, tid) for tid in tids}
+
+
+def pipe_readers(target: str, exclude: int) -> set[int]:
+    """The processes other than ``exclude`` holding a read end of a pipe ("pipe:[N]")."""
+    return {p for p, fd in owners([target]).get(target, []) if p != exclude and fd_mode(p, fd) in (0, 2)}
+
+
+def stuck_reason(pid: int, waiter: int) -> str:
+    """Why no thread of ``pid`` can ever act again while ``waiter`` stays blocked ("" when that is
+    not proven): every thread is blocked either on a private futex with no timeout (nothing outside
+    the process can wake it, and no thread inside is left to), or writing to a full pipe whose
+    only reader is ``waiter`` (a wait-for cycle back to the blocked rank)."""
+    calls = task_calls(pid)
+    if not calls or read_state(pid) in ("", "R", "D"):
+        return ""
+    locks = cycle = 0
+    links = fd_links(pid) if any(c.name in _WRITE_CALLS for c in calls.values()) else {}
+    for call in calls.values():
+        if forever_futex(call):
+            locks += 1
+            continue
+        if call.name in _WRITE_CALLS and call.args:
+            target = links.get(call.args[0], "")
+            if target.startswith("pipe:") and pipe_readers(target, pid) == {waiter}:
+                cycle += 1
+                continue
+        return ""
+    if cycle:
+        return f"blocked writing to a full pipe that only pid {waiter} reads, which waits on it: a wait-for cycle"
+    return f"all {locks} of its threads wait on process-private locks with no timeout: none is left to release them"
 
 
 def owners(targets: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
@@ -440,6 +498,7 @@ class WaitFacts:
     lock_holders: tuple[ProcInfo, ...] = ()  # flock/fcntl: who holds the lock waited for
     lock_self: bool = False  # the lock waited for is held by this very process
     threads: int = 0  # kernel tasks of the process
+    tasks: dict[int, Syscall] = field(default_factory=dict)  # tid -> the call each of its threads is in
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -474,11 +533,8 @@ def wait_facts(pid: int, socks: dict[int, TcpSock] | None = None) -> WaitFacts:
         fds = [call.args[_FD_ARG[call.name]]]
     else:
         fds = _polled_fds(pid, call, links)
-    kids = tuple(proc_info(c) for c in tree(pid)[1:])
-    try:
-        threads = len(os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        threads = 0
+    kids = tuple(proc_info(c, waiter=pid) for c in tree(pid)[1:])
+    tasks = task_calls(pid)
     facts = [_fd_fact(pid, fd, links.get(fd, ""), socks) for fd in fds[:16]]
     holders: tuple[ProcInfo, ...] = ()
     lock_self = False
@@ -488,7 +544,7 @@ def wait_facts(pid: int, socks: dict[int, TcpSock] | None = None) -> WaitFacts:
         lock_self = any(lk.pid == pid for lk in held)
         holders = tuple(proc_info(lk.pid) for lk in held if lk.pid != pid)
     return WaitFacts(pid, call, read_wchan(pid), tuple(_resolve(pid, facts, links)), sleep_left(pid, call),
-                     kids, holders, lock_self, threads)  # fmt: skip
+                     kids, holders, lock_self, len(tasks), tasks)  # fmt: skip
 
 
 def _fd_fact(pid: int, fd: int, link: str, socks: dict[int, TcpSock] | None) -> FdFact:
@@ -535,7 +591,7 @@ def _resolve(pid: int, facts: list[FdFact], links: dict[int, str]) -> list[FdFac
         elif f.kind == "pipe":
             writers = [(p, fd) for p, fd in held.get(f.target, []) if fd_mode(p, fd) in (1, 2)]
             self_writer = any(p == pid for p, _ in writers)
-            others = tuple(proc_info(p) for p in sorted({p for p, _ in writers if p != pid}))
+            others = tuple(proc_info(p, waiter=pid) for p in sorted({p for p, _ in writers if p != pid}))
             out.append(FdFact(f.fd, f.kind, f.target, None, others, self_writer))
         else:
             out.append(f)

@@ -34,21 +34,12 @@ from trainguard.detect.hang import (
     Assessment,
     HangConfig,
     HangDetector,
-    busy_limit,
     first_step_allowance,
     phase_allowance,
 )
-from trainguard.detect.progress import (
-    Limits,
-    Progress,
-    RankSamples,
-    StallVerdict,
-    decide_stall,
-    judge_progress,
-    phase_of,
-    stopped_proof,
-)
+from trainguard.detect.progress import Progress, RankSamples, judge_progress
 from trainguard.detect.sequence import InCall, SequenceFinding, compare_sequences, flight_calls
+from trainguard.detect.verdict import JobWindow, Limits, StallVerdict, judge_stall, phase_of, stopped_proof
 from trainguard.detect.waits import Wait, classify_wait
 from trainguard.evidence import HangEvidence, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
@@ -66,6 +57,8 @@ FOLLOW_IDLE_S = 2.0  # ... and otherwise (a node that saw no stall still acts on
 FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
 # Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
 DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
+HANG_ACTIONS = ("restart", "notify")
+HANG_ACTION_ENV = "TRAINGUARD_HANG_ACTION"
 
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
@@ -93,6 +86,13 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
         help=f"no finished step for SLACK + {HangConfig.step_factor:g} x p99 step time (and no I/O) is a hang "
         f"(default {HangConfig.step_slack:g})",
     )
+    group.add_argument(
+        "--hang-action",
+        choices=HANG_ACTIONS,
+        default=None,
+        help="what a detected hang does: restart the job (default), or notify: record and notify every verdict "
+        "and never stop a worker (seed 000's 'suspected hung' marking; also $TRAINGUARD_HANG_ACTION)",
+    )
     group.add_argument("--no-hang-detect", action="store_true", help="switch hang detection off")
 
 
@@ -119,6 +119,7 @@ class HangSettings:
 
     enabled: bool = True
     config: HangConfig = field(default_factory=HangConfig)
+    action: str = "restart"  # HANG_ACTIONS: "notify" records and notifies, never stops a worker
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> HangSettings:
@@ -128,7 +129,19 @@ class HangSettings:
         minutes = options.hang_detect_time or _env_minutes()
         if minutes is not None:
             fields["detect_time"] = minutes * 60.0
-        return cls(config=dataclasses.replace(HangConfig(), **fields))
+        return cls(config=dataclasses.replace(HangConfig(), **fields), action=_action(options))
+
+
+def _action(options: argparse.Namespace) -> str:
+    given_action = getattr(options, "hang_action", None)
+    if given_action:
+        return given_action
+    text = os.environ.get(HANG_ACTION_ENV, "").strip().lower()
+    if not text:
+        return "restart"
+    if text not in HANG_ACTIONS:
+        raise SettingsError(f"{HANG_ACTION_ENV}={text!r}: expected one of {', '.join(HANG_ACTIONS)}")
+    return text
 
 
 def settings(options: argparse.Namespace) -> HangSettings:
@@ -136,7 +149,7 @@ def settings(options: argparse.Namespace) -> HangSettings:
 
 
 def create(settings: HangSettings) -> Monitor | None:
-    return HangMonitor(settings.config) if settings.enabled else None
+    return HangMonitor(settings.config, action=settings.action) if settings.enabled else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,7 +174,6 @@ class _History:
         # rank -> (its /proc sample, the collectives it had started then: None when unknown)
         self.procs: dict[int, deque[tuple[proc.ProcSample, int | None]]] = {}
         self.stacks: dict[int, deque[tuple[float, tuple[stacks.Frame, ...] | None]]] = {}
-        self.same_since: dict[int, float] = {}  # rank -> when its main-thread stack last changed
         self._keep = keep
 
     def add_procs(self, samples: dict[int, proc.ProcSample], collectives: dict[int, Any] | None = None) -> None:
@@ -172,15 +184,10 @@ class _History:
     def add_stacks(self, when: float, views: dict[int, RankView]) -> None:
         for r, v in views.items():
             frames = tuple(v.frames) if v.frames else None
-            q = self.stacks.setdefault(r, deque(maxlen=16))
-            prev = next((f for _, f in reversed(q) if f is not None), None)
-            if frames is not None and (prev is None or _sig(frames) != _sig(prev)):
-                self.same_since[r] = when
-            q.append((when, frames))
+            self.stacks.setdefault(r, deque(maxlen=16)).append((when, frames))
 
     def clear_stacks(self) -> None:
         self.stacks.clear()
-        self.same_since.clear()
 
     def samples(self, rank: int, now: float, cfg: HangConfig, since: float) -> RankSamples:
         """The rank's window: ``cfg.window`` seconds (or the last 3 stack samples when they go
@@ -203,19 +210,21 @@ class _History:
             stacks=[f for _, f in st],
             net=[p.net for p in ps],
             collectives=[c for _, c in kept],
+            own_cpu=[p.own_cpu for p in ps],
         )
-
-
-def _sig(frames: tuple[stacks.Frame, ...]) -> tuple[tuple[str, str, int], ...]:
-    return tuple((f.name, f.filename, f.line) for f in frames)
 
 
 class _Watch:
     """One attempt's watch: samples, judges stalls by the ranks' progress. Runs on the monitor's thread."""
 
-    def __init__(self, ctx: MonitorContext, cfg: HangConfig, learned: dict[str, float], gpu: _Gpu | None) -> None:
+    def __init__(self, ctx: MonitorContext, cfg: HangConfig, learned: dict[str, float], gpu: _Gpu | None,
+                 notify_only: bool = False) -> None:  # fmt: skip
         self.ctx = ctx
         self.cfg = cfg
+        self.notify_only = notify_only  # --hang-action notify: verdicts are recorded, never acted on
+        self.detected_here = False  # notify only: this stall's hang was recorded (once per stall)
+        self.windows_announced = 0  # window suspicions recorded in this stall (one per --hang-detect-time)
+        self.io_mark: int | None = None  # the job's I/O bytes when the stall began
         self.learned = learned  # phase kind -> longest healthy pause seen (kept across attempts)
         self.gpu = gpu
         self.detector = HangDetector(cfg, start=time.time())
@@ -232,7 +241,6 @@ class _Watch:
         self.suspect_recorded = False  # this node recorded the suspicion in force (and records its clearing)
         self.gather_wait = max(10.0, 3 * cfg.period)  # for the other nodes' declarations
         self.exit_since: float | None = None  # when the workers were first seen shutting down
-        self.hold_until = -math.inf  # no new stack dumps before this (a deferred seed-rule verdict)
         self.last_dumps: dict[int, stacks.StackDump] = {}
         # The ranks' Flight Recorders, read since the last stack dumps: only when a question needs
         # them (an own-lock proof, a verdict's sequence). Read every round, they delayed proofs
@@ -266,28 +274,25 @@ class _Watch:
                     since.pop(r, None)
         self.detector.observe(
             now,
-            [Activity(r, s.io, s.cpu, s.state, s.alive) for r, s in samples.items()],
+            [Activity(r, s.io, s.cpu, s.state, s.alive, s.net) for r, s in samples.items()],
             self.gpu.read() if self.gpu else None,
         )
         steps = {r: self.ctx.steps.recent(r) for r in pids}
         a = self.detector.assess(now, steps)
-        # Where this attempt has steps, their stall is judged below (its detect-time window carries
-        # each rank's progress); the seed's I/O rule speaks for jobs without steps. Both windows
-        # end together (steps veto the I/O rule), so one rule, not a race, names the verdict.
-        no_steps = a.steps is None or a.steps.last_end == -math.inf
-        if a.hang and no_steps and now >= self.hold_until:
-            self.stalled = True
-            return self._seed_rule(now, a, pids)
+        if self.io_mark is None:
+            self.io_mark = self.detector.io_total
         stats = a.steps
         if stats is None:
             return None
         if stats.last_end == -math.inf:
-            # No step yet in this attempt: judged only once an earlier attempt showed how long its
-            # first step took (compile, warm-up, loading); before that only the seed rule watches.
+            # No step yet in this attempt: judged once an earlier attempt showed how long its first
+            # step took (compile, warm-up, loading), or once the seed's rule holds (no I/O for the
+            # window, flat utilisation); either way by the same verdict over the ranks' progress.
             allowed = first_step_allowance(self.learned.get(FIRST_STEP), self.cfg)
-            if allowed is None:
+            if allowed is None and not a.hang:
                 return None
-            since, stall, threshold = self.detector.start, now - self.detector.start, allowed
+            since, stall = self.detector.start, now - self.detector.start
+            threshold = allowed if allowed is not None else self.cfg.detect_time
         else:
             if not self.first_step_seen:
                 self._learn_first_step(steps)
@@ -295,6 +300,8 @@ class _Watch:
                 self._steps_resumed(now, stats.last_end)
             since, stall = stats.last_end, a.stall
             threshold = stats.threshold if stats.ready else math.inf
+        if self.detected_here:
+            return None  # notify only: this stall's hang is recorded; the next stall is judged anew
         # A rank stopped for a whole window is proof in hand before the threshold (stopped_proof).
         stopped = any(now - t >= self.cfg.window for t in self.t_since.values())
         if stall < min(0.5 * threshold, self.cfg.detect_time) and not stopped:
@@ -315,6 +322,12 @@ class _Watch:
             return None
         if stall <= threshold and stall < self.cfg.detect_time:
             return self._judge_stopped(now, dataclasses.replace(a, stall=stall), verdict, pids, since) if stopped else None
+        if verdict.phase == "exit" and stall >= self.cfg.detect_time:
+            # Training is over and the processes are shutting down; only a shutdown that itself
+            # lasts the window is judged.
+            self.exit_since = now if self.exit_since is None else self.exit_since
+            if now - self.exit_since < self.cfg.detect_time:
+                return None
         return self._judge(now, dataclasses.replace(a, stall=stall), verdict, pids, since, threshold)
 
     def learn_first_step(self) -> None:
@@ -343,7 +356,16 @@ class _Watch:
                 if pause > self.learned.get(phase, 0.0):
                     self.learned[phase] = pause
                     log.debug("hang: %s pause of %.1fs ended; allowance learned", phase, pause)
-        if self.suspected is not None and self.suspect_recorded:
+        if self.detected_here:
+            pause = last_end - self.stall_from
+            self.ctx.events.emit(
+                "hang_cleared",
+                f"steps resumed after {pause:.1f}s without a step, after a detected hang the workers were left "
+                "running for (--hang-action notify)",
+                severity="info",
+                evidence={"pause_s": round(pause, 2), "after": "hang_detected", "attempt": self.ctx.restart_count},
+            )
+        elif self.suspected is not None and self.suspect_recorded:
             pause = last_end - self.stall_from
             s = self.suspected
             self.ctx.events.emit(
@@ -356,7 +378,8 @@ class _Watch:
                           "attempt": self.ctx.restart_count},  # fmt: skip
             )
         self.stall_from, self.stall_phases, self.suspected, self.suspect_since = last_end, set(), None, None
-        self.stalled = self.suspect_recorded = False
+        self.stalled = self.suspect_recorded = self.detected_here = False
+        self.windows_announced, self.io_mark, self.exit_since = 0, self.detector.io_total, None
         self.history.clear_stacks()
         self.recent_phase.clear()
         self.waits, self.raw_waits = {}, {}
@@ -401,18 +424,19 @@ class _Watch:
             threshold=threshold,
             detect_time=cfg.detect_time,
             allowance=lambda r, ph: phase_allowance(self.learned.get(ph), threshold, cfg, recognised=bool(ph)),
-            busy_limit=lambda r, ph: busy_limit(self.learned.get(ph), cfg),
-            frozen_for={r: now - t for r, t in self.history.same_since.items()},
             stalled_limit=cfg.stalled_limit,
             stalled_for={r: now - t for r, t in self.d_since.items()},
+            idle_cpu=cfg.idle_cpu,
         )
         self.waits = self._waits(verdict, pids)
-        sv = decide_stall(verdict, progress, a.stall, limits, self.waits, self._others_wait())
+        sv = judge_stall(verdict, progress, a.stall, limits, self.waits, self._others_wait(), self._job_window(now, a))
         self.stall_phases.update(phase_of(p) for p in verdict.positions.values() if phase_of(p))
         if self.exchange is not None:
             self._share(verdict, progress)
             if sv.state == "detected" and sv.rule == "steps":
                 sv = self._with_other_nodes(verdict, sv)
+        if sv.state == "suspected" and sv.rule == "window":
+            return self._announce_window(now, a, sv, verdict, progress)
         if sv.state != "suspected":
             self.suspect_since = None
         elif self.suspected is None:
@@ -431,6 +455,30 @@ class _Watch:
         if self._moved_on(a, pids):
             return None  # a step finished while we looked: slow, not hung
         return self._conclude(now, a, sv, verdict, progress)
+
+    def _job_window(self, now: float, a: Assessment) -> JobWindow:
+        """The seed's window facts for the whole job, as this node sees them."""
+        cfg = self.cfg
+        util = self.detector.utilisation(now - min(cfg.detect_time, cfg.util_window))
+        no_steps = a.steps is None or a.steps.last_end == -math.inf
+        return JobWindow(now - self.detector.last_io_change, util.unchanged, util.source,
+                         "io+utilisation" if no_steps else "detect-time",
+                         None if self.io_mark is None else max(0, self.detector.io_total - self.io_mark))  # fmt: skip
+
+    def _announce_window(
+        self, now: float, a: Assessment, sv: StallVerdict, verdict: CulpritVerdict, progress: dict[int, Progress],
+    ) -> HangEvidence | None:  # fmt: skip
+        """Past the window and alive: a suspicion recorded once per window (never a restart)."""
+        window = int(a.stall // self.cfg.detect_time)
+        if window <= self.windows_announced:
+            return None
+        self.windows_announced = window
+        self.suspected = sv
+        key = f"{max(a.steps.last_step.values()) if a.steps and a.steps.last_step else 'start'}-window{window}"
+        self.suspect_recorded = self._claim_suspicion(a, key)
+        if not self.suspect_recorded:
+            return None  # another node records this window's suspicion
+        return self._record(now, a, sv, verdict, progress, self._latest_nodes(verdict, progress))
 
     def _others_wait(self) -> bool:
         """Whether ranks on other nodes wait in a collective (their latest shared stacks, not
@@ -459,11 +507,13 @@ class _Watch:
             dump = self.last_dumps.get(r)
             main = dump.main_thread() if dump else None
             threads = sum(1 for t in dump.threads if t.frames) if dump else 0
+            tids = [t.os_tid for t in dump.threads if t.frames and t.os_tid] if dump else []
             try:
                 facts = waits.wait_facts(pids[r])
-                w = classify_wait(facts, main.frames if main else (), threads)
-                if w.dead and w.kind == "lock":  # an own-lock proof, unless a collective is in flight
-                    w = classify_wait(facts, main.frames if main else (), threads, in_flight_of(self._flight([r]).get(r)))
+                frames = main.frames if main else ()
+                w = classify_wait(facts, frames, threads, python_tids=tids)
+                if w.dead and w.kind == "lock":  # a lock proof, unless a collective is in flight
+                    w = classify_wait(facts, frames, threads, in_flight_of(self._flight([r]).get(r)), tids)
             except Exception:  # a probe must never end the watch
                 log.exception("hang: could not read what rank %s waits on", r)
                 continue
@@ -473,22 +523,6 @@ class _Watch:
                 w = dataclasses.replace(w, dead=False, proof="")  # seen dead once: confirmed next round
             out[r] = w
         return out
-
-    def _seed_rule(self, now: float, a: Assessment, pids: dict[int, int]) -> HangEvidence | None:
-        steps = {r: self.ctx.steps.recent(r) for r in pids}
-        verdict, dumps, views = self._stacks(pids, steps)
-        self.last_dumps, self.last_views = dumps, views
-        if self._moved_on(a, pids):
-            return None
-        if verdict.phase == "exit":
-            # Training is over and the processes are shutting down; only a shutdown that itself
-            # lasts detect_time is a hang.
-            self.exit_since = now if self.exit_since is None else self.exit_since
-            if now - self.exit_since < self.cfg.detect_time:
-                self.hold_until = now + max(10.0, 3 * self.cfg.period)
-                return None
-        sv = StallVerdict("detected", verdict.rank, a.rule, f"{verdict.reason}. {a.message}")
-        return self._conclude(now, a, sv, verdict, {})
 
     def _stacks(
         self, pids: dict[int, int], steps: dict[int, list]
@@ -557,14 +591,14 @@ class _Watch:
             return StallVerdict("watch", rank, "", f"{who} on another node progresses")
         return sv
 
-    def _claim_suspicion(self, a: Assessment) -> bool:
+    def _claim_suspicion(self, a: Assessment, key: str | None = None) -> bool:
         """Whether this node records the suspicion: the first node to claim the incident (the
-        stall after the job's latest step) does, for the job."""
+        stall after the job's latest step; ``key``: a later window of it) does, for the job."""
         if self.exchange is None:
             return True
         last = a.steps.last_step if a.steps else {}
         try:
-            return self.exchange.claim_suspicion(str(max(last.values())) if last else "start")
+            return self.exchange.claim_suspicion(key or (str(max(last.values())) if last else "start"))
         except Exception as exc:  # recording it here beats losing it
             log.warning("hang: could not agree with the other nodes on who records the suspicion: %s", exc)
             return True
@@ -648,7 +682,7 @@ class _Watch:
         self.history.add_procs(samples, self.ctx.steps.collectives())
         self.detector.observe(
             later,
-            [Activity(r, x.io, x.cpu, x.state, x.alive) for r, x in samples.items()],
+            [Activity(r, x.io, x.cpu, x.state, x.alive, x.net) for r, x in samples.items()],
             self.gpu.read() if self.gpu else None,
         )
         if a.rule == "io+utilisation" and self.detector.last_io_change == later:
@@ -703,12 +737,15 @@ class _Watch:
         reason = verdict.reason if culprit == verdict.rank else sv.why
         if level == "suspected":
             message = (f"hang suspected: no step for {a.stall:.0f}s (allowance {sv.limit:.0f}s); candidate {who}: "
-                       f"{sv.why}. Not a hang yet: watching (hang_detected if its wait is proven dead or progress "
-                       f"stops, or after {self.cfg.detect_time:.0f}s without a step)")  # fmt: skip
+                       f"{sv.why}. Not a hang yet: watching (hang_detected if a wait is proven dead, or if at "
+                       f"--hang-detect-time ({self.cfg.detect_time:.0f}s) nothing in the job moves: no I/O, flat "
+                       "utilisation, no rank progressing)")  # fmt: skip
         else:
             message = f"job hung ({rule}): culprit {who}: {sv.why}" + (f". Known causes: {causes}" if causes else "")
         if seq.lines:
             message += ". Sequence: " + "; ".join(seq.lines)
+        if level == "detected" and self.notify_only:
+            message += " (--hang-action notify: the workers are left running)"
         evidence = {
             "level": level,
             "rule": rule,
@@ -800,8 +837,9 @@ def _by_node(nodes: list[NodeViews]) -> dict[str, dict]:
 class HangMonitor(Monitor):
     name = "hang"
 
-    def __init__(self, cfg: HangConfig) -> None:
+    def __init__(self, cfg: HangConfig, action: str = "restart") -> None:
         self.cfg = cfg
+        self.notify_only = action == "notify"  # --hang-action notify: never hand a hang to the policy
         self._learned: dict[str, float] = {}
         self._lock = threading.Lock()
         self._evidence: list[HangEvidence] = []
@@ -821,7 +859,7 @@ class HangMonitor(Monitor):
         with self._lock:
             self._evidence = []
         self._stop = threading.Event()
-        self._watch = watch = _Watch(ctx, self.cfg, self._learned, None)
+        self._watch = watch = _Watch(ctx, self.cfg, self._learned, None, self.notify_only)
         self._follower = HangExchange.for_ctx(ctx, own_client=False)
         self._followed_at, self._handed = -math.inf, False
         self._thread = threading.Thread(target=self._run, args=(watch, self._stop), name="trainguard-hang", daemon=True)
@@ -847,7 +885,9 @@ class HangMonitor(Monitor):
                     if not stop.is_set():
                         self._evidence.append(found)
                 if found.level == "detected":
-                    return  # one hang per attempt: the policy decides on it
+                    if not self.notify_only:
+                        return  # one hang per attempt: the policy decides on it
+                    watch.detected_here = True  # recorded and notified; the next stall is judged anew
             # (a suspicion is handed over and the watch goes on)
             next_at += self.cfg.period
             if next_at < time.monotonic():  # a slow round (stack dumps): skip, do not catch up
@@ -863,6 +903,8 @@ class HangMonitor(Monitor):
             found = self._follow(ctx)
         if found is None or found.level != "detected":
             return found
+        if self.notify_only:
+            return None  # recorded and notified where it was found; the workers are left running
         if self._handed:
             return None  # one hang per attempt: the policy has decided on it
         self._handed = True
@@ -875,7 +917,7 @@ class HangMonitor(Monitor):
         with self._lock:
             found = next((e for e in self._evidence if e.level == "detected"), None)
             self._evidence = []
-        if self._handed:
+        if self._handed or self.notify_only:
             return None
         if found is None and self._follower is not None:
             try:
@@ -891,8 +933,8 @@ class HangMonitor(Monitor):
         """The job's verdict, recorded by another node (looked up every FOLLOW_STALLED_S while
         steps stall here, FOLLOW_IDLE_S otherwise): this node acts on it too. One recorded here
         comes from the watch itself, after the other nodes acted on it."""
-        if self._follower is None or self._handed:
-            return None
+        if self._follower is None or self._handed or self.notify_only:
+            return None  # (notify only: the verdict was recorded where it was found; nothing to act on)
         now = time.monotonic()
         every = FOLLOW_STALLED_S if self._watch is not None and self._watch.stalled else FOLLOW_IDLE_S
         if now - self._followed_at < every:
