@@ -66,10 +66,11 @@ def _check_detected(tmp_path, attempts, events, world, culprit, expect_kind, exp
 
 
 def test_hang_sigstop_without_steps_uses_seed_rule(tmp_path: Path) -> None:
-    """No step samples at all: the seed's I/O + utilisation rule finds the stopped rank."""
+    """No step samples at all: the seed's I/O + utilisation rule opens the watch, and the one
+    verdict finds the stopped rank (a proof: rule "steps", progress judged)."""
     cfg = HangConfig(period=0.5, detect_time=5.0, util_window=5.0)
     attempts, events = run_job(tmp_path, cfg, 2, _fault_args("stop", 1), feed_steps=False)
-    ev = _check_detected(tmp_path, attempts, events, 2, 1, "stopped", "io+utilisation")
+    ev = _check_detected(tmp_path, attempts, events, 2, 1, "stopped", "steps")
     assert any(c["cause"] == "process_stopped" for c in ev.evidence["causes"])
 
 
