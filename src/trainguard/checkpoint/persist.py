@@ -354,9 +354,12 @@ def _remember(seqs: set[int], seq: int, keep: int = 8) -> None:
 def write_report(shm_dir: Path, kind: str, message: str, severity: str, rank: int, evidence: dict[str, Any]) -> None:
     """Worker side: leave an event for the agent to emit (atomic: temp file + rename)."""
     rdir = Path(shm_dir) / REPORTS
-    rdir.mkdir(exist_ok=True)
+    rdir.mkdir(mode=disk.DIR_MODE, exist_ok=True)
     name = f"{time.time_ns():020d}-{os.getpid()}-{os.urandom(4).hex()}"  # sorts by time
     tmp = rdir / f".{name}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "message": message, "severity": severity, "rank": rank,
-                               "evidence": evidence}, default=str))
+    raw = json.dumps({"kind": kind, "message": message, "severity": severity, "rank": rank,
+                      "evidence": evidence}, default=str).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, disk.FILE_MODE)
+    with open(fd, "wb") as f:
+        f.write(raw)
     os.replace(tmp, rdir / f"{name}.json")

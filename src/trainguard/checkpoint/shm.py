@@ -117,7 +117,7 @@ class Slot:
 
     @classmethod
     def create(cls, path: Path, size: int) -> Slot:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _allocate(fd, max(size, HEADER_SIZE))
             return cls(path, fd, populate=True)
@@ -127,7 +127,7 @@ class Slot:
 
     @classmethod
     def open(cls, path: Path, populate: bool = False) -> Slot:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)  # a planted link is no slot
         try:
             return cls(path, fd, populate=populate)
         except BaseException:
@@ -279,7 +279,9 @@ def make_shm_dir(root: Path, info: dict[str, Any] | None = None, on_orphan: OnOr
     _owner_fds[path] = fd
     if info is not None:
         tmp = path / f".{_INFO}.tmp"
-        tmp.write_text(json.dumps(info))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
+            f.write(json.dumps(info).encode())
         os.replace(tmp, path / _INFO)
     return path
 

@@ -217,7 +217,7 @@ class CheckpointMonitor(Monitor):
                 return
             self.ckpt_dir = self._ckpt_dir_opt or run_dir / "checkpoints"
             try:
-                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                disk.make_private_dir(self.ckpt_dir)
                 removed = disk.clean_temp_files(self.ckpt_dir)
                 if removed:
                     log.info("checkpoint: removed %d temp file(s) of interrupted persists", removed)
