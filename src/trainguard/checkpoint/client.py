@@ -51,7 +51,7 @@ from trainguard.checkpoint.format import (
     tensor_view,
     unflatten,
 )
-from trainguard.checkpoint.persist import Persister, RescueRefused, rescue_orphan, write_report
+from trainguard.checkpoint.persist import Persister, rescue_orphan, write_report
 from trainguard.checkpoint.reshard import IncompatibleCheckpoint, load_resharded, why_not_reshardable
 from trainguard.checkpoint.shm import (
     Slot,
@@ -218,7 +218,7 @@ class Checkpointer:
         root = _local_shm_root()
         keep = _env_keep()
         shm_dir = make_shm_dir(root, info={"ckpt_dir": str(ckpt_dir.resolve()), "keep": keep},
-                               on_orphan=lambda d: _rescue_local(d, ckpt_dir, keep))
+                               on_orphan=lambda d: rescue_orphan(d, _log_event, ckpt_dir, keep))
         persister = Persister(shm_dir, ckpt_dir, keep, _log_event)
         self = cls(shm_dir, ckpt_dir, rank, world, persister)
         persister.start()
@@ -989,17 +989,6 @@ def _local_shm_root() -> Path:
     log.warning("checkpoint: %s=%s is not a writable directory; keeping snapshots in %s instead",
                 ENV_SHM_ROOT, given, fallback)
     return fallback
-
-
-def _rescue_local(shm_dir: Path, ckpt_dir: Path, keep: int) -> bool:
-    """Local mode: a dead process's snapshots go to this process's own checkpoint dir only (False:
-    another dir's, left where they are for their own job)."""
-    try:
-        rescue_orphan(shm_dir, _log_event, ckpt_dir, keep)
-    except RescueRefused as exc:
-        log.warning("checkpoint: refused to rescue %s: %s; left as it is", shm_dir, exc)
-        return False
-    return True
 
 
 def _log_event(kind: str, message: str, severity: str = "info", rank: int | None = None,

@@ -33,7 +33,15 @@ import psutil
 
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.format import FormatError, decode_manifest
-from trainguard.checkpoint.shm import Slot, SlotCache, SlotHeader, owner_pid, parse_slot_name, read_dir_info
+from trainguard.checkpoint.shm import (
+    RescueRefused,
+    Slot,
+    SlotCache,
+    SlotHeader,
+    owner_pid,
+    parse_slot_name,
+    read_dir_info,
+)
 
 log = logging.getLogger(__name__)
 
@@ -310,10 +318,6 @@ class Persister:
                 os.unlink(name, dir_fd=dfd)
             except FileNotFoundError:
                 pass
-
-
-class RescueRefused(Exception):
-    """An orphaned directory whose snapshots are not this job's to persist (left where it is)."""
 
 
 def rescue_orphan(shm_dir: Path, emit: Emit, ckpt_dir: Path, keep: int) -> list[disk.Persisted]:

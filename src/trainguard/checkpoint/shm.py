@@ -262,10 +262,15 @@ _owner_fds: dict[Path, int] = {}
 _refusals_said: set[Path] = set()  # one warning per refused directory and process
 log = logging.getLogger(__name__)
 
-# on_orphan(dir): rescue what a dead owner left; False keeps the directory where it is (not ours
-# to remove: another job's), anything else lets it be removed.
+# on_orphan(dir): rescue what a dead owner left; False (or raising RescueRefused) keeps the
+# directory where it is (not ours to remove: another job's), anything else lets it be removed.
 OnOrphan = Callable[[Path], "bool | None"]
 OnRefused = Callable[[Path, str], None]  # on_refused(dir, why): a directory not ours to rescue or remove
+
+
+class RescueRefused(Exception):
+    """Raised by an on_orphan callback: the orphan's snapshots are not this process's to persist
+    (another job's); the directory is left where it is and reported as refused."""
 
 
 def make_shm_dir(root: Path, info: dict[str, Any] | None = None, on_orphan: OnOrphan | None = None,
@@ -347,6 +352,9 @@ def remove_stale_dirs(root: Path, on_orphan: OnOrphan | None = None, on_refused:
             if on_orphan is not None:
                 try:
                     keep = on_orphan(path) is False
+                except RescueRefused as exc:
+                    _refused(path, str(exc), on_refused)
+                    keep = True
                 except Exception as exc:  # a failed rescue is reported by the callback; clean up anyway
                     log.warning("checkpoint: rescuing snapshots from %s failed: %s", path, exc)
             if not keep:

@@ -39,7 +39,7 @@ from trainguard.checkpoint.client import (
     ENV_SHM_ROOT,
     ENV_SLOTS,
 )
-from trainguard.checkpoint.persist import Persister, RescueRefused, rescue_orphan
+from trainguard.checkpoint.persist import Persister, rescue_orphan
 from trainguard.checkpoint.pull import held_here, needed, pull
 from trainguard.checkpoint.replica import REPLICAS, Buddy, ReplicaServer, Replicator, persist_replicas
 from trainguard.checkpoint.shm import make_shm_dir, read_dir_info, release_shm_dir
@@ -239,20 +239,15 @@ class CheckpointMonitor(Monitor):
                                         max_write_bytes_per_s=self.write_limit)
             self._persister.start()
 
-    def _rescue(self, shm_dir: Path, run_dir: Path) -> bool:
+    def _rescue(self, shm_dir: Path, run_dir: Path) -> None:
         """Persist what a dead agent of ours left in shared memory, into this agent's own checkpoint
-        dir with its own keep (persist.rescue_orphan refuses another dir). The rescue is reported in
-        this run only when the dead agent was this run's; for another run's agent it is one log line:
-        no event DB is ever created at a path read from the directory. False: left where it is."""
-        try:
-            if _is_run(read_dir_info(shm_dir).get("run_dir"), run_dir):
-                rescue_orphan(shm_dir, self._emit, self.ckpt_dir, self.keep)
-            else:
-                rescue_orphan(shm_dir, _log_only, self.ckpt_dir, self.keep)
-        except RescueRefused as exc:
-            self._refused(shm_dir, str(exc))
-            return False
-        return True
+        dir with its own keep (persist.rescue_orphan refuses another dir: RescueRefused, reported by
+        ``_refused``). The rescue is reported in this run only when the dead agent was this run's;
+        for another run's agent it is one log line: no event DB is ever created at a path read from
+        the directory."""
+        assert self.ckpt_dir is not None
+        emit = self._emit if _is_run(read_dir_info(shm_dir).get("run_dir"), run_dir) else _log_only
+        rescue_orphan(shm_dir, emit, self.ckpt_dir, self.keep)
 
     def _refused(self, shm_dir: Path, why: str) -> None:
         self._emit("checkpoint_rescue_refused", f"refused to rescue {shm_dir}: {why}; left as it is",
