@@ -583,11 +583,12 @@ def _serve(proc: subprocess.Popen, paths: tuple[str, ...], time_limit_s: float) 
     line = proc.stdout.readline() if ready else ""
     if " on http://" not in line:
         return None, line  # it stopped (a usage error) or never listened: the outcome tells
-    url = line.split(" on ", 1)[1].split()[0].split("?")[0]
+    url, _, query = line.split(" on ", 1)[1].split()[0].partition("?")
+    headers = {"Authorization": f"Bearer {query.split('token=', 1)[1]}"} if "token=" in query else {}
     problem = None
     for path in paths:
         try:
-            with urllib.request.urlopen(url + path, timeout=30) as r:
+            with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=30) as r:
                 r.read()
         except urllib.error.HTTPError as exc:
             if exc.code != 404:
