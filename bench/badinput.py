@@ -102,6 +102,22 @@ def _log(text: str) -> Callable[[Path], None]:
     return write
 
 
+def _deep_tree(d: Path, levels: int = 2000) -> None:
+    """``deep/d/d/.../d/train.log``: made level by level with relative paths (the whole path is
+    near PATH_MAX)."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ["deep"] + ["d"] * levels:
+            os.mkdir(name, dir_fd=fd)
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        with open(os.open("train.log", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as f:
+            f.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    finally:
+        os.close(fd)
+
+
 def _binary_log(d: Path) -> None:
     (d / "train.log").write_bytes(bytes(range(256)) * 64)
 
@@ -485,6 +501,9 @@ OTHER_CASES: list[Case] = [
     Case("events: a .db file that links outside", ("events", "{d}/run/events/n0.db"),
          lambda d: (_db(d).parent.mkdir(parents=True), _db(d).symlink_to(_victim(d))), expect="answer|usage",
          after=_victim_unchanged),
+    Case("run: SLURM_JOB_NODELIST='n[1-'", ("run", "--run-dir", "{d}/r", "--nproc-per-node", "1", str(EXAMPLE)),
+         env={"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-"}),
+    Case("diagnose: a directory tree 2,000 levels deep", ("diagnose", "{d}/deep"), _deep_tree, expect="answer"),
 ]
 
 CASES += TRACE_TARGETS + OTHER_CASES + _flag_cases() + _damage_cases()
@@ -543,7 +562,14 @@ def run_case(case: Case, time_limit_s: float = TIME_LIMIT_S) -> Result:
         for p in (d / "run", d / "ro", d):
             if p.exists():
                 undo_read_only(p)
+        _remove_tree(d)
+
+
+def _remove_tree(d: Path) -> None:
+    try:
         shutil.rmtree(d, ignore_errors=True)
+    except RecursionError:  # shutil.rmtree recurses per level (the 2,000-level tree); rm does not
+        subprocess.run(["rm", "-rf", "--", str(d)], check=False)
 
 
 def _serve(proc: subprocess.Popen, paths: tuple[str, ...], time_limit_s: float) -> tuple[str | None, str]:
@@ -557,11 +583,12 @@ def _serve(proc: subprocess.Popen, paths: tuple[str, ...], time_limit_s: float) 
     line = proc.stdout.readline() if ready else ""
     if " on http://" not in line:
         return None, line  # it stopped (a usage error) or never listened: the outcome tells
-    url = line.split(" on ", 1)[1].split()[0].split("?")[0]
+    url, _, query = line.split(" on ", 1)[1].split()[0].partition("?")
+    headers = {"Authorization": f"Bearer {query.split('token=', 1)[1]}"} if "token=" in query else {}
     problem = None
     for path in paths:
         try:
-            with urllib.request.urlopen(url + path, timeout=30) as r:
+            with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=30) as r:
                 r.read()
         except urllib.error.HTTPError as exc:
             if exc.code != 404:

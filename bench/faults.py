@@ -194,7 +194,8 @@ def rescue_like_the_next_agent(dead_agent: int, ckpt: Path, shm_root: Path) -> i
         for name in mine:
             os.rename(shm_root / name, aside / name)
         rescued: list = []
-        taken = remove_stale_dirs(aside, lambda d: rescued.extend(rescue_orphan(d, lambda *a, **k: None, default_ckpt_dir=ckpt)))
+        # keep=3: the jobs' default --ckpt-keep (a rescue prunes with the rescuer's own keep)
+        taken = remove_stale_dirs(aside, lambda d: rescued.extend(rescue_orphan(d, lambda *a, **k: None, ckpt, keep=3)))
         if len(taken) != len(mine):
             raise RuntimeError(f"{len(mine) - len(taken)} of the killed agent's shm dirs are still held")
         return len(taken)

@@ -112,3 +112,37 @@ def test_a_missing_shm_root_warns_once_and_snapshots_go_to_the_default(tmp_path)
     warnings = [ln for ln in res.stderr.splitlines() if "TRAINGUARD_CKPT_SHM_ROOT" in ln]
     assert len(warnings) == 1 and "Traceback" not in res.stderr, res.stderr
     assert not missing.exists()  # never created behind the user's back
+
+
+@pytest.mark.parametrize("step, error, words", [
+    (float("nan"), TypeError, "integer"),
+    (1.5, TypeError, "integer"),
+    (2.0, TypeError, "integer"),
+    (True, TypeError, "integer"),
+    ("3", TypeError, "integer"),
+    (None, TypeError, "integer"),
+    (-1, ValueError, "from 0"),
+    (1 << 62, ValueError, "from 0"),
+])  # fmt: skip
+def test_save_refuses_a_step_that_is_not_a_non_negative_integer(tmp_path, shm_root, step, error, words):
+    """One clear error naming the step, and nothing taken: no slot written, no save counted."""
+    shm = make_shm_dir(shm_root)
+    w = Checkpointer(shm, tmp_path / "ckpt", 0, 1)
+    try:
+        with pytest.raises(error, match=words) as exc:
+            w.save({"w": torch.zeros(4)}, step, overlap=False)
+        assert "checkpoint step" in str(exc.value)
+        assert w.saves == 0 and not any(p.name.startswith("rank-") for p in shm.iterdir())
+        assert w.save({"w": torch.zeros(4)}, 0, overlap=False)  # a good step still saves
+    finally:
+        w.close()
+        release_shm_dir(shm)
+
+
+def test_module_save_refuses_a_bad_step_even_without_shared_memory(monkeypatch):
+    from trainguard import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "_unavailable", True)  # snapshots off: still the caller's bug, said so
+    with pytest.raises(TypeError, match="checkpoint step must be an integer"):
+        ckpt.save({}, float("nan"))
+    assert ckpt.save({}, 3) is False

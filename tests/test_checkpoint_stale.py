@@ -66,13 +66,13 @@ def test_a_dead_owners_older_snapshots_are_not_rescued_over_newer_steps(tmp_path
     stale = make_shm_dir(shm_root, info={"ckpt_dir": str(ckpt), "keep": 3})
     _in_memory(stale, ckpt, [4, 5])  # a node's snapshots from an earlier role of its rank
     said: list[str] = []
-    assert rescue_orphan(stale, lambda kind, message, **_: said.append(kind)) == []
+    assert rescue_orphan(stale, lambda kind, message, **_: said.append(kind), ckpt, 3) == []
     assert said == [] and disk.list_steps(ckpt, 0) == [10, 9, 8]
     assert _resumes_from(ckpt, shm_root) == 10
 
     newer = make_shm_dir(shm_root, info={"ckpt_dir": str(ckpt), "keep": 3})
     _in_memory(newer, ckpt, [11, 12])  # what the disk lacks is still rescued
-    assert sorted(p.step for p in rescue_orphan(newer, lambda *a, **k: None)) == [11, 12]
+    assert sorted(p.step for p in rescue_orphan(newer, lambda *a, **k: None, ckpt, 3)) == [11, 12]
     assert disk.list_steps(ckpt, 0) == [12, 11, 10]
     release_shm_dir(stale)
     release_shm_dir(newer)

@@ -1,6 +1,8 @@
 """Issue 28 item 9: the dashboard refuses an open API off loopback, serves only this run's regular
 hang reports, survives a dangling one, checks the Host header (DNS rebinding) and queues a burst
-of 200 connections. A real server on a real socket."""
+of 200 connections. On loopback too the API needs the token printed at start (a cookie, a Bearer
+header or ``?token=``) unless ``--no-token``; a run dir its user cannot read is refused. A real
+server on a real socket."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import http.client
 import json
 import os
 import select
+import shutil
+import signal
 import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 
 import pytest
 from tgtest import trainguard_cmd
@@ -130,3 +135,81 @@ def test_a_burst_of_200_connections_is_queued_and_answered(server):
     finally:
         for s in socks:
             s.close()
+
+
+class Dash:
+    """`trainguard dashboard` as a process: the URL it printed, stopped at the end."""
+
+    def __init__(self, run, *flags: str) -> None:
+        self.proc = subprocess.Popen(trainguard_cmd("dashboard", run, "--port", "0", *flags), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.lines = [self.proc.stdout.readline()]  # the one line it prints at start (EOF if it failed)
+        assert " on http://" in self.lines[0], self.lines[0] + self.proc.stderr.read()
+        url = urllib.parse.urlsplit(self.lines[0].split(" on ", 1)[1].split()[0])
+        self.address = url.hostname, url.port
+        self.token = (urllib.parse.parse_qs(url.query).get("token") or [None])[0]
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(*self.address, timeout=60)
+        try:
+            conn.request("GET", path, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def stop(self) -> list[str]:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        return self.lines + out.splitlines()
+
+
+def test_on_loopback_the_api_needs_the_random_token_printed_once_at_start(run):
+    dash = Dash(run)
+    try:
+        token = dash.token
+        assert token and len(token) >= 16
+        assert dash.get("/api/state")[0] == 403
+        assert dash.get("/api/state?token=wrong-token")[0] == 403
+        assert dash.get("/api/state", {"Authorization": "Bearer wrong-token"})[0] == 403
+        assert dash.get("/api/state", {"Authorization": f"Bearer {token}"})[0] == 200
+        status, headers, _ = dash.get(f"/?token={token}")  # the page opened from the printed URL
+        assert status == 200
+        name, _, rest = headers["set-cookie"].partition("=")
+        value, *attrs = [a.strip() for a in rest.split(";")]
+        assert value == token and {"HttpOnly", "SameSite=Strict"} <= set(attrs), headers["set-cookie"]
+        assert dash.get("/api/state", {"Cookie": f"{name}={token}"})[0] == 200  # later calls: the cookie alone
+        assert dash.get("/api/state", {"Cookie": f"{name}=wrong-token"})[0] == 403
+        assert "set-cookie" not in dash.get("/?token=wrong-token")[1]
+    finally:
+        lines = dash.stop()
+    assert sum(token in ln for ln in lines) == 1  # printed once
+
+
+def test_no_token_turns_the_token_off_on_loopback_only(run):
+    dash = Dash(run, "--no-token")
+    try:
+        assert dash.token is None
+        assert dash.get("/api/state")[0] == 200
+    finally:
+        dash.stop()
+    done = subprocess.run(trainguard_cmd("dashboard", run, "--host", "0.0.0.0", "--port", "0", "--no-token"),
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--no-token" in done.stderr
+
+
+def test_a_run_dir_its_user_cannot_read_is_refused_in_one_line(run):
+    cmd = trainguard_cmd("dashboard", run, "--port", "0")
+    if os.geteuid() == 0:  # root reads anything: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            if os.environ.get("CI"):
+                pytest.fail("needs setpriv to run the dashboard as root without CAP_DAC_OVERRIDE")
+            pytest.skip("needs setpriv to run the dashboard as root without CAP_DAC_OVERRIDE")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *cmd]
+    run.chmod(0)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    finally:
+        run.chmod(0o700)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "cannot read the run dir" in done.stderr, done.stderr

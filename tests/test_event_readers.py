@@ -108,8 +108,8 @@ def test_dashboard_after_the_writer_was_killed_mid_transaction(killed_run):
     try:
         line = dash.stdout.readline()
         assert " on http://" in line, line + dash.stderr.read()
-        url = line.split(" on ", 1)[1].split()[0]
-        with urllib.request.urlopen(url + "api/state", timeout=60) as r:
+        base, _, query = line.split(" on ", 1)[1].split()[0].partition("?")
+        with urllib.request.urlopen(f"{base}api/state?{query}", timeout=60) as r:  # query: the token
             state = json.load(r)
         assert [e["kind"] for e in state["events"]] == ["job_started"]
     finally:

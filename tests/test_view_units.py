@@ -188,7 +188,7 @@ def test_stack_request_protocol(tmp_path):
 
 
 def test_dashboard_token(tmp_path):
-    """Off loopback the dashboard makes up a token; with one, every API call must present it."""
+    """A token given with --token: every API call must present it."""
     from trainguard.web.server import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
@@ -198,13 +198,13 @@ def test_dashboard_token(tmp_path):
     store = EventStore(run)
     EventBus(store, node="n0").emit("job_started", "attempt 0", evidence={"attempt": 0, "pids": {}})
     store.close()
-    dash = subprocess.Popen([sys.executable, "-m", "trainguard", "dashboard", str(run), "--port", "0", "--token", "s3cret"],
+    dash = subprocess.Popen([sys.executable, "-m", "trainguard", "dashboard", str(run), "--port", "0", "--token", "s3cret-token"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         url = re.search(r"http://\S+", dash.stdout.readline()).group(0)
         parts = urllib.parse.urlsplit(url)
         token = urllib.parse.parse_qs(parts.query)["token"][0]
-        assert token == "s3cret"
+        assert token == "s3cret-token"
         base = f"{parts.scheme}://{parts.netloc}"
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"{base}/api/state", timeout=10)

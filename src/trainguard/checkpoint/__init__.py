@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.client import Checkpointer
+from trainguard.checkpoint.client import Checkpointer, check_step
 from trainguard.checkpoint.format import FormatError
 from trainguard.checkpoint.reshard import IncompatibleCheckpoint
 
@@ -58,8 +58,10 @@ def _checkpointer() -> Checkpointer:
 def save(state: Any, step: int) -> bool:
     """Snapshot ``state`` (this rank's) at ``step`` into shared memory; persisted in the background.
     Returns True when the snapshot was taken, False when it was skipped or failed (an event says
-    why; training can go on). Raises TypeError for values that cannot be stored without pickle."""
+    why; training can go on). Raises TypeError for values that cannot be stored without pickle and
+    for a ``step`` that is not an integer (bool, float, str), ValueError for a negative one."""
     global _unavailable
+    step = check_step(step)  # a bad step is the caller's bug: refused even when snapshots are off
     if _unavailable:
         return False
     try:

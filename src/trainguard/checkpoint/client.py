@@ -26,6 +26,7 @@ import atexit
 import ctypes
 import logging
 import math
+import operator
 import os
 import queue
 import threading
@@ -83,6 +84,22 @@ NSLOTS = 2
 ENV_SLOTS = "TRAINGUARD_CKPT_SLOTS"
 MAX_SLOTS = 4
 _WORLD_BITS = 20  # candidate keys: step << 20 | world size
+
+
+MAX_STEP = (1 << (63 - _WORLD_BITS)) - 1  # candidate keys (step << 20 | world) are int64 tensors
+
+
+def check_step(step: Any) -> int:
+    """``step`` as an int, or one clear error: TypeError unless it is an integer (an ``__index__``
+    type such as numpy.int64 counts; bool, float and str do not: ``int()`` would quietly turn
+    1.9 into 1, True into 1 and NaN into a bare ValueError from deep inside), ValueError when it is
+    negative or above MAX_STEP (steps order the snapshots; a negative one sorts before every real one)."""
+    if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+        raise TypeError(f"checkpoint step must be an integer >= 0, not {type(step).__name__} {step!r}")
+    value = operator.index(step)
+    if not 0 <= value <= MAX_STEP:
+        raise ValueError(f"checkpoint step must be an integer from 0 to {MAX_STEP}, not {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -201,7 +218,7 @@ class Checkpointer:
         root = _local_shm_root()
         keep = _env_keep()
         shm_dir = make_shm_dir(root, info={"ckpt_dir": str(ckpt_dir.resolve()), "keep": keep},
-                               on_orphan=lambda d: rescue_orphan(d, _log_event))
+                               on_orphan=lambda d: rescue_orphan(d, _log_event, ckpt_dir, keep))
         persister = Persister(shm_dir, ckpt_dir, keep, _log_event)
         self = cls(shm_dir, ckpt_dir, rank, world, persister)
         persister.start()
@@ -247,7 +264,9 @@ class Checkpointer:
     # --- save ------------------------------------------------------------------------------------
     def save(self, state: Any, step: int, overlap: bool | None = None) -> bool:
         """Snapshot ``state`` into shared memory. True when taken; False when skipped or failed
-        (reported as an event; training goes on). Raises TypeError for values it cannot store.
+        (reported as an event; training goes on). Raises TypeError for values it cannot store and
+        for a ``step`` that is not an integer, ValueError for a negative or too large one
+        (``check_step``): nothing is saved then.
 
         ``overlap`` (default: env TRAINGUARD_CKPT_OVERLAP=1, else off): CPU tensors are copied by a
         helper thread, at idle CPU priority, while training goes on; the next optimizer step,
@@ -256,6 +275,7 @@ class Checkpointer:
         snapshot is still exactly the state at this call. An in-place change made elsewhere before
         the copy (seen by the tensors' version counters) discards that snapshot, reports
         ``checkpoint_overlap_off`` and makes later saves copy inside this call."""
+        step = check_step(step)
         start = time.perf_counter_ns()
         try:
             return self._save(state, step, overlap)

@@ -55,6 +55,25 @@ _DIRECT_ALIGN = 4096
 QUARANTINE = "quarantine"
 
 
+FILE_MODE = 0o600  # checkpoints hold the model's weights: readable by their owner only
+DIR_MODE = 0o700
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` and every missing parent as a 0700 directory (Path.mkdir gives parents the
+    umask's mode, often 0755). One that exists is left as it is: the user's own directory."""
+    path = Path(path)
+    missing: list[Path] = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:  # made meanwhile by another process: theirs to have set
+            pass
+
+
 class CorruptCheckpoint(Exception):
     """A checkpoint that is partial or whose checksum does not verify."""
 
@@ -268,7 +287,7 @@ def _create(path: Path, extra: int = 0) -> int:
     """A new file at ``path`` (a temp name of this process): never through a symlink or onto
     something planted there (O_EXCL | O_NOFOLLOW), whatever a shared checkpoint dir holds."""
     path.unlink(missing_ok=True)  # a leftover of an earlier process with this pid (the name itself, never a target)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra, 0o644)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra, FILE_MODE)
 
 
 def _write_small(path: Path, raw: bytes) -> None:
@@ -300,7 +319,7 @@ def write_checkpoint(
     t0 = time.monotonic()
     rank, step = int(meta["rank"]), int(meta["step"])
     sdir = step_dir(ckpt_dir, step)
-    sdir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(sdir)
     runfiles.safe_dir(sdir)  # a step-* symlink would take the snapshot outside the checkpoint dir
     tag = f"{_TMP_MARK}{socket.gethostname()}-{os.getpid()}"
     tmp_data = sdir / (data_name(rank) + tag)
@@ -493,7 +512,7 @@ def quarantine(ckpt_dir: Path, rank: int, step: int) -> Path:
     """Move one rank's files of ``step`` to CKPT_DIR/quarantine/step-N.<time>/ (same file system:
     a rename). Returns the quarantine directory."""
     qdir = Path(ckpt_dir) / QUARANTINE / f"{step_dir(ckpt_dir, step).name}.{time.strftime('%Y%m%dT%H%M%S')}"
-    qdir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(qdir)
     sdir = own_step_dir(ckpt_dir, step)
     if sdir is None:  # a symlinked step dir: its files are not ours to move
         return qdir

@@ -33,7 +33,15 @@ import psutil
 
 from trainguard.checkpoint import disk
 from trainguard.checkpoint.format import FormatError, decode_manifest
-from trainguard.checkpoint.shm import Slot, SlotCache, SlotHeader, owner_pid, parse_slot_name, read_dir_info
+from trainguard.checkpoint.shm import (
+    RescueRefused,
+    Slot,
+    SlotCache,
+    SlotHeader,
+    owner_pid,
+    parse_slot_name,
+    read_dir_info,
+)
 
 log = logging.getLogger(__name__)
 
@@ -275,15 +283,26 @@ class Persister:
 
     # --- worker reports --------------------------------------------------------------------------
     def _relay_reports(self) -> None:
-        rdir = self.shm_dir / REPORTS
+        # Through a directory fd opened O_NOFOLLOW, each report too: a ``reports`` link (planted in
+        # a directory being rescued) must not make this process read or delete files elsewhere.
         try:
-            names = sorted(n for n in os.listdir(rdir) if n.endswith(".json"))
+            dfd = os.open(self.shm_dir / REPORTS, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            log.warning("ignoring checkpoint reports in %s: %s", self.shm_dir / REPORTS, exc.strerror or exc)
+            return
+        try:
+            self._relay_reports_in(dfd)
+        finally:
+            os.close(dfd)
+
+    def _relay_reports_in(self, dfd: int) -> None:
+        names = sorted(n for n in os.listdir(dfd) if n.endswith(".json"))
         for name in names:
-            path = rdir / name
             try:
-                raw = path.read_bytes()[:_REPORT_MAX]
+                with open(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd), "rb") as f:
+                    raw = f.read(_REPORT_MAX)
                 report = json.loads(raw)
                 kind = str(report["kind"])
                 severity = str(report.get("severity", "info"))
@@ -295,22 +314,31 @@ class Persister:
                           evidence=report.get("evidence") if isinstance(report.get("evidence"), dict) else {})
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring bad checkpoint report %s: %s", name, exc)
-            path.unlink(missing_ok=True)
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
 
 
-def rescue_orphan(shm_dir: Path, emit: Emit, default_ckpt_dir: Path | None = None, keep: int = 3) -> list[disk.Persisted]:
-    """Persist the snapshots a dead owner left in ``shm_dir`` that are not on disk yet, to the
-    checkpoint dir it recorded, before the directory is removed. Reports what it did."""
+def rescue_orphan(shm_dir: Path, emit: Emit, ckpt_dir: Path, keep: int) -> list[disk.Persisted]:
+    """Persist the snapshots a dead owner left in ``shm_dir`` that are not on disk yet, before the
+    directory is removed. Only into ``ckpt_dir``, the caller's own checkpoint dir, with the caller's
+    ``keep``: what ``owner.json`` says is only compared, never followed (whoever wrote the file
+    would otherwise choose where this process writes and how much of that dir it prunes). Raises
+    RescueRefused when the owner recorded another checkpoint dir: its own job rescues it."""
     info = read_dir_info(shm_dir)
-    ckpt = info.get("ckpt_dir")
-    ckpt_dir = Path(ckpt) if isinstance(ckpt, str) and ckpt else default_ckpt_dir
+    theirs = info.get("ckpt_dir")
     pid = owner_pid(shm_dir)
-    if ckpt_dir is None or not ckpt_dir.is_dir():  # never recreate a checkpoint dir someone removed
+    if not isinstance(theirs, str) or not theirs:
+        log.warning("checkpoint: %s (owner pid %s gone) records no checkpoint dir; its snapshots are dropped", shm_dir, pid)
+        return []
+    if not _same_dir(Path(theirs), ckpt_dir):
+        raise RescueRefused(f"its snapshots belong to checkpoint dir {theirs}, not ours ({ckpt_dir})")
+    if not ckpt_dir.is_dir():  # never recreate a checkpoint dir someone removed
         log.warning("checkpoint: %s (owner pid %s gone): its checkpoint dir %s is gone; its snapshots are dropped",
                     shm_dir, pid, ckpt_dir)
         return []
-    k = info.get("keep")
-    persister = Persister(shm_dir, ckpt_dir, k if isinstance(k, int) and k > 0 else keep, emit, idle_priority=False)
+    persister = Persister(shm_dir, ckpt_dir, keep, emit, idle_priority=False)
     try:
         done = persister.run_pass(retry_failed=True, every_slot=True, trigger="orphaned_snapshot", skip_on_disk=True)
     finally:
@@ -324,6 +352,15 @@ def rescue_orphan(shm_dir: Path, emit: Emit, default_ckpt_dir: Path | None = Non
              severity="warning",
              evidence={"steps": steps, "ranks": ranks, "dir": str(ckpt_dir), "shm_dir": str(shm_dir), "owner_pid": pid})
     return done
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    """The same directory (the same inode when both exist, else the same resolved path)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return Path(os.path.abspath(a)) == Path(os.path.abspath(b))
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _set_background_priority(tid: int, idle: bool) -> bool:
@@ -354,9 +391,12 @@ def _remember(seqs: set[int], seq: int, keep: int = 8) -> None:
 def write_report(shm_dir: Path, kind: str, message: str, severity: str, rank: int, evidence: dict[str, Any]) -> None:
     """Worker side: leave an event for the agent to emit (atomic: temp file + rename)."""
     rdir = Path(shm_dir) / REPORTS
-    rdir.mkdir(exist_ok=True)
+    rdir.mkdir(mode=disk.DIR_MODE, exist_ok=True)
     name = f"{time.time_ns():020d}-{os.getpid()}-{os.urandom(4).hex()}"  # sorts by time
     tmp = rdir / f".{name}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "message": message, "severity": severity, "rank": rank,
-                               "evidence": evidence}, default=str))
+    raw = json.dumps({"kind": kind, "message": message, "severity": severity, "rank": rank,
+                      "evidence": evidence}, default=str).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, disk.FILE_MODE)
+    with open(fd, "wb") as f:
+        f.write(raw)
     os.replace(tmp, rdir / f"{name}.json")

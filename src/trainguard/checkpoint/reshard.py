@@ -13,6 +13,7 @@ tools that read DCP checkpoints, loadable at any world size with ``torch.distrib
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,9 +261,16 @@ def export_dcp(dest: Path, ckpt_dir: Path, step: int | None = None) -> int:
         except (disk.CorruptCheckpoint, FormatError) as exc:
             problems.append(f"step {s}: {exc}")
             continue
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, checkpoint_id=str(dest), no_dist=True)
+        disk.make_private_dir(dest)
+        # torch's writer takes no file mode: a 077 umask meanwhile keeps the weights owner-only
+        # (process-wide, but an export runs alone in its process).
+        old_umask = os.umask(0o077)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(state, checkpoint_id=str(dest), no_dist=True)
+        finally:
+            os.umask(old_umask)
         return s
     raise IncompatibleCheckpoint("no checkpoint to export in " + str(ckpt_dir) + (": " + "; ".join(problems) if problems else ""))
 

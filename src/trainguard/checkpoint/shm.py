@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -117,7 +118,7 @@ class Slot:
 
     @classmethod
     def create(cls, path: Path, size: int) -> Slot:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _allocate(fd, max(size, HEADER_SIZE))
             return cls(path, fd, populate=True)
@@ -127,7 +128,7 @@ class Slot:
 
     @classmethod
     def open(cls, path: Path, populate: bool = False) -> Slot:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)  # a planted link is no slot
         try:
             return cls(path, fd, populate=populate)
         except BaseException:
@@ -258,36 +259,50 @@ _OWNER = ".owner"
 _INFO = "owner.json"  # where the owner persists to: a later process rescues orphaned snapshots there
 _INFO_MAX = 64 << 10
 _owner_fds: dict[Path, int] = {}
+_refusals_said: set[Path] = set()  # one warning per refused directory and process
 log = logging.getLogger(__name__)
 
-OnOrphan = Callable[[Path], None]
+# on_orphan(dir): rescue what a dead owner left; False (or raising RescueRefused) keeps the
+# directory where it is (not ours to remove: another job's), anything else lets it be removed.
+OnOrphan = Callable[[Path], "bool | None"]
+OnRefused = Callable[[Path, str], None]  # on_refused(dir, why): a directory not ours to rescue or remove
 
 
-def make_shm_dir(root: Path, info: dict[str, Any] | None = None, on_orphan: OnOrphan | None = None) -> Path:
+class RescueRefused(Exception):
+    """Raised by an on_orphan callback: the orphan's snapshots are not this process's to persist
+    (another job's); the directory is left where it is and reported as refused."""
+
+
+def make_shm_dir(root: Path, info: dict[str, Any] | None = None, on_orphan: OnOrphan | None = None,
+                 on_refused: OnRefused | None = None) -> Path:
     """A fresh private directory for one agent's (or one local process's) slots. The creating
     process holds an flock on ``.owner`` inside it for as long as it lives, so any later process
     can tell (across PID namespaces too) that the directory is orphaned. ``info`` (e.g. the
     checkpoint dir) is kept in the directory for whoever finds it orphaned; ``on_orphan(dir)`` is
-    called for each orphaned directory found on the way, before it is removed."""
-    remove_stale_dirs(root, on_orphan)
+    called for each orphaned directory of ours found on the way, before it is removed; and
+    ``on_refused(dir, why)`` for one that looks orphaned but is not ours (see ``remove_stale_dirs``)."""
+    remove_stale_dirs(root, on_orphan, on_refused)
     path = Path(root) / f"{DIR_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     path.mkdir(mode=0o700)
     # Locked before it gets its name: whoever can open ``.owner`` finds it locked while we live.
-    fd = os.open(path / f"{_OWNER}.tmp", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock = os.open(path / f"{_OWNER}.tmp", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.rename(path / f"{_OWNER}.tmp", path / _OWNER)
-    _owner_fds[path] = fd
+    _owner_fds[path] = lock
     if info is not None:
         tmp = path / f".{_INFO}.tmp"
-        tmp.write_text(json.dumps(info))
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(out, "wb") as f:
+            f.write(json.dumps(info).encode())
         os.replace(tmp, path / _INFO)
     return path
 
 
 def read_dir_info(path: Path) -> dict[str, Any]:
-    """The ``info`` a directory's owner left ({} when none or unreadable)."""
+    """The ``info`` a directory's owner left ({} when none, unreadable or a symlink)."""
     try:
-        with open(Path(path) / _INFO, "rb") as f:
+        fd = os.open(Path(path) / _INFO, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
             info = json.loads(f.read(_INFO_MAX))
     except (OSError, ValueError, RecursionError):
         return {}
@@ -307,10 +322,16 @@ def release_shm_dir(path: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_dirs(root: Path, on_orphan: OnOrphan | None = None) -> list[Path]:
+def remove_stale_dirs(root: Path, on_orphan: OnOrphan | None = None, on_refused: OnRefused | None = None) -> list[Path]:
     """Remove slot directories whose owner process is gone (an agent killed with SIGKILL), after
     ``on_orphan(dir)`` (persisting the snapshots the dead owner held). The orphan's lock is held
-    meanwhile, so two processes starting at once never both rescue or remove it."""
+    meanwhile, so two processes starting at once never both rescue or remove it.
+
+    Only a real directory of this user's, not writable by group or others, counts: any local user
+    can create ``trainguard-ckpt-*`` in /dev/shm, and a planted one would otherwise decide where
+    this process writes checkpoints, what it prunes and what its workers resume from. Any other
+    directory whose owner pid is gone is left as it is, with ``on_refused(dir, why)`` (default: one
+    warning line) once per process."""
     removed = []
     try:
         names = os.listdir(root)
@@ -320,37 +341,95 @@ def remove_stale_dirs(root: Path, on_orphan: OnOrphan | None = None) -> list[Pat
         path = Path(root) / name
         if not name.startswith(DIR_PREFIX) or path in _owner_fds:
             continue
-        fd = _claim_orphan(path)
-        if fd is None:
+        claim = _claim_orphan(path)
+        if isinstance(claim, str):
+            _refused(path, claim, on_refused)
+            continue
+        if claim is None:
             continue
         try:
+            keep = False
             if on_orphan is not None:
                 try:
-                    on_orphan(path)
+                    keep = on_orphan(path) is False
+                except RescueRefused as exc:
+                    _refused(path, str(exc), on_refused)
+                    keep = True
                 except Exception as exc:  # a failed rescue is reported by the callback; clean up anyway
                     log.warning("checkpoint: rescuing snapshots from %s failed: %s", path, exc)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            if not keep:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            if claim >= 0:
+                os.close(claim)
     return removed
 
 
-def _claim_orphan(path: Path) -> int | None:
-    """The orphan's lock (an fd to close after removing it; -1 for a directory without one), or
-    None when the directory is alive."""
+def _refused(path: Path, why: str, on_refused: OnRefused | None) -> None:
+    if path in _refusals_said:
+        return
+    _refusals_said.add(path)
+    if on_refused is not None:
+        on_refused(path, why)
+    else:
+        log.warning("checkpoint: refused to rescue %s: %s; left as it is", path, why)
+
+
+def _claim_orphan(path: Path) -> int | str | None:
+    """The orphan's lock (an fd to close after removing it; -1 for a directory without one); None
+    when the directory is alive (or gone); why not, for an orphan that is not ours to touch."""
     try:
-        fd = os.open(path / _OWNER, os.O_RDWR)
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        # Not made by make_shm_dir (or still being made): fall back to the PID in the name.
-        pid = owner_pid(path)
-        return -1 if pid is not None and not psutil.pid_exists(pid) else None
-    except OSError:
+        return None
+    except OSError as exc:  # a symlink (ELOOP), a file (ENOTDIR), another user's 0700 dir (EACCES)
+        return _foreign(path, exc)
+    try:
+        st = os.fstat(dfd)  # of what was opened: no lstat-then-open race
+        why = _not_ours(st)
+        if why is not None:
+            return why if _pid_gone(path) else None
+        try:
+            fd = os.open(_OWNER, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            # Not made by make_shm_dir (or still being made): fall back to the PID in the name.
+            return -1 if _pid_gone(path) else None
+        except OSError as exc:
+            return f"its {_OWNER} cannot be opened safely ({exc.strerror or exc})" if _pid_gone(path) else None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None  # its owner holds the lock: alive
+        return fd
+    finally:
+        os.close(dfd)
+
+
+def _not_ours(st: os.stat_result) -> str | None:
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not us (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _foreign(path: Path, exc: OSError) -> str | None:
+    """Why a directory that cannot be opened as ours is refused (None: it looks alive)."""
+    if not _pid_gone(path):
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None  # its owner holds the lock: alive
-    return fd
+        st = os.lstat(path)  # for the message only: the directory is refused either way
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink, not a directory"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    return _not_ours(st) or f"cannot be opened ({exc.strerror or exc})"
+
+
+def _pid_gone(path: Path) -> bool:
+    pid = owner_pid(path)
+    return pid is None or not psutil.pid_exists(pid)

@@ -11,6 +11,7 @@ With ``max_bytes`` only the first ``HEAD_BYTES`` and the last ``max_bytes`` of a
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import re
@@ -107,6 +108,36 @@ def _regular(p: Path, notes: list[str] | None) -> bool:
     return False
 
 
+def walk_files(top: Path, notes: list[str] | None) -> list[Path]:
+    """Every file under ``top`` (hidden directories skipped, links to directories not followed),
+    in os.walk's top-down sorted order. An explicit stack, not recursion: os.walk and
+    Path.rglob recurse once per level and raise RecursionError in a tree ~1,000 levels deep."""
+    out: list[Path] = []
+    stack = [Path(top)]
+    while stack:
+        root = stack.pop()
+        try:
+            with os.scandir(root) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:  # unreadable, or a path beyond PATH_MAX: skipped, as os.walk does
+            if notes is not None and root != top:
+                notes.append(f"skipped {root}: {exc.strerror or exc}")
+            continue
+        dirs = []
+        for e in entries:
+            try:
+                is_dir, is_link = e.is_dir(), e.is_symlink()
+            except OSError:
+                is_dir = is_link = False
+            if is_dir:  # a link to a directory is neither walked nor a file (os.walk's default)
+                if not is_link and not e.name.startswith("."):
+                    dirs.append(root / e.name)
+            else:
+                out.append(root / e.name)
+        stack.extend(reversed(dirs))  # the first name is walked first
+    return out
+
+
 def expand(paths: list[str | Path], notes: list[str] | None = None) -> list[Path]:
     """The files to read, in a stable order, each once. Raises SourceError for a path naming nothing.
     Special files met in directories and globs are skipped (with a note in ``notes``)."""
@@ -122,20 +153,15 @@ def expand(paths: list[str | Path], notes: list[str] | None = None) -> list[Path
         elif mode is not None and stat.S_ISFIFO(mode):
             out.append(p)  # named explicitly: a pipe the user means us to read (process substitution)
         elif mode is not None and stat.S_ISDIR(mode):
-            found = []
-            for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                found += [
-                    Path(root) / f
-                    for f in sorted(files)
-                    if _is_log(Path(f)) and _regular(Path(root) / f, notes)
-                ]
-            out += found
+            out += [f for f in walk_files(p, notes) if _is_log(f) and _regular(f, notes)]
         elif mode is not None:
             if notes is not None:
                 notes.append(f"skipped {p}: {_kind(mode)} (reading it could block or never end)")
         elif any(c in str(raw) for c in "*?["):
-            hits = [Path(h) for h in sorted(glob.glob(str(raw), recursive=True))]
+            try:
+                hits = [Path(h) for h in sorted(glob.glob(str(raw), recursive=True))]
+            except RecursionError:  # glob's ``**`` recurses per level: give the directory instead
+                raise SourceError(f"{raw}: the tree is too deep for a '**' pattern; give its directory") from None
             files = [h for h in hits if not os.path.isdir(h) and _regular(h, notes)]
             if not files and not hits:
                 raise SourceError(f"{raw}: no file matches")
@@ -160,7 +186,10 @@ def error_files(paths: list[Path]) -> list[Path]:
     out = []
     for p in paths:
         try:
-            found = sorted(p.rglob("error-*.json")) if p.is_dir() else sorted(p.parent.glob("error-*.json"))
+            if p.is_dir():
+                found = sorted(f for f in walk_files(p, None) if fnmatch.fnmatch(f.name, "error-*.json"))
+            else:
+                found = sorted(p.parent.glob("error-*.json"))
         except OSError:
             continue
         out += [f for f in found if _regular(f, None)]

@@ -8,11 +8,12 @@ persists each new snapshot to ``--ckpt-dir`` (temp file, fsync, atomic rename, m
 CRC32, newest ``--ckpt-keep`` kept). When workers fail, the newest complete snapshots are
 persisted before the restart (save at breakpoint). A directory left by an agent that died (SIGKILL)
 is found when the next agent starts on the node: the snapshots it held that are not on disk yet
-are persisted to its checkpoint dir before it is removed (``checkpoint_rescued``).
+are persisted to this agent's checkpoint dir before it is removed (``checkpoint_rescued``), when
+it is this user's, private, and recorded that same checkpoint dir (else ``checkpoint_rescue_refused``).
 
 Events: ``checkpoint_persisted`` (info), ``checkpoint_failed`` (error: disk full, unwritable
 directory...), ``checkpoint_quarantined`` (warning: checkpoints that do not verify moved aside by
-pruning), ``checkpoint_rescued`` (warning), and, relayed from workers, ``checkpoint_fallback``
+pruning), ``checkpoint_rescued`` and ``checkpoint_rescue_refused`` (warnings), and, relayed from workers, ``checkpoint_fallback``
 (warning: newest checkpoint partial, corrupt or not loadable at this world size, an older one
 loaded), ``checkpoint_incompatible`` (error), ``checkpoint_loaded`` and ``checkpoint_skipped``.
 """
@@ -23,7 +24,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,13 +44,22 @@ from trainguard.checkpoint.pull import held_here, needed, pull
 from trainguard.checkpoint.replica import REPLICAS, Buddy, ReplicaServer, Replicator, persist_replicas
 from trainguard.checkpoint.shm import make_shm_dir, read_dir_info, release_shm_dir
 from trainguard.cluster.stores import ForgedValue
-from trainguard.events import EventBus, EventStore
-from trainguard.events.store import node_db_path
 from trainguard.evidence import RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.options import given, non_negative, non_negative_int, positive_int
 
 log = logging.getLogger(__name__)
+
+
+def _is_run(recorded: Any, run_dir: Path) -> bool:
+    """Whether a dead agent's recorded run dir is this run's (none recorded: an agent of ours)."""
+    return not isinstance(recorded, str) or Path(recorded) == run_dir.resolve()
+
+
+def _log_only(kind: str, message: str, **_: Any) -> None:
+    log.warning("checkpoint: %s", message)
+
+
 REPLICA_KEY = "trainguard/ckpt-replica/"  # + node rank: where that node's agent takes snapshot replicas
 PEERS_WAIT_S = 10.0  # before the workers start: how long to wait for the other nodes to say where they serve
 
@@ -217,36 +226,32 @@ class CheckpointMonitor(Monitor):
                 return
             self.ckpt_dir = self._ckpt_dir_opt or run_dir / "checkpoints"
             try:
-                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                disk.make_private_dir(self.ckpt_dir)
                 removed = disk.clean_temp_files(self.ckpt_dir)
                 if removed:
                     log.info("checkpoint: removed %d temp file(s) of interrupted persists", removed)
             except OSError as exc:  # reported on the first persist; snapshots still work in memory
                 log.warning("checkpoint: checkpoint dir %s not usable: %s", self.ckpt_dir, exc)
             info = {"ckpt_dir": str(self.ckpt_dir.resolve()), "keep": self.keep, "run_dir": str(run_dir.resolve())}
-            self.shm_dir = make_shm_dir(self.shm_root, info=info, on_orphan=lambda d: self._rescue(d, run_dir))
+            self.shm_dir = make_shm_dir(self.shm_root, info=info, on_orphan=lambda d: self._rescue(d, run_dir),
+                                        on_refused=self._refused)
             self._persister = Persister(self.shm_dir, self.ckpt_dir, self.keep, self._emit,
                                         max_write_bytes_per_s=self.write_limit)
             self._persister.start()
 
     def _rescue(self, shm_dir: Path, run_dir: Path) -> None:
-        """Persist what a dead agent left in shared memory to its own checkpoint dir, and report it
-        to its own run: a job that merely starts on the same node must not record another job's
-        rescue as its own."""
-        owner_run = read_dir_info(shm_dir).get("run_dir")
-        if not isinstance(owner_run, str) or Path(owner_run) == run_dir.resolve():
-            rescue_orphan(shm_dir, self._emit, keep=self.keep)
-            return
-        if not Path(owner_run).is_dir():  # never recreate a run dir someone removed
-            rescue_orphan(shm_dir, lambda kind, message, **_: log.warning("checkpoint: %s", message), keep=self.keep)
-            return
-        store = EventStore(node_db_path(owner_run, f"rescue@{socket.gethostname()}"))
-        try:
-            bus = EventBus(store, node=socket.gethostname())
-            rescue_orphan(shm_dir, bus.emit, keep=self.keep)
-        finally:
-            store.close()
-        log.info("checkpoint: persisted the snapshots another job's dead agent left in %s (reported in %s)", shm_dir, owner_run)
+        """Persist what a dead agent of ours left in shared memory, into this agent's own checkpoint
+        dir with its own keep (persist.rescue_orphan refuses another dir: RescueRefused, reported by
+        ``_refused``). The rescue is reported in this run only when the dead agent was this run's;
+        for another run's agent it is one log line: no event DB is ever created at a path read from
+        the directory."""
+        assert self.ckpt_dir is not None
+        emit = self._emit if _is_run(read_dir_info(shm_dir).get("run_dir"), run_dir) else _log_only
+        rescue_orphan(shm_dir, emit, self.ckpt_dir, self.keep)
+
+    def _refused(self, shm_dir: Path, why: str) -> None:
+        self._emit("checkpoint_rescue_refused", f"refused to rescue {shm_dir}: {why}; left as it is",
+                   severity="warning", evidence={"shm_dir": str(shm_dir), "reason": why})
 
     def _run_pass_bounded(self, every_slot: bool = False, trigger: str = "background") -> list | None:
         """A synchronous persist pass, on a helper thread so a stuck disk cannot wedge the agent."""

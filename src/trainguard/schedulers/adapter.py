@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.options import node_name_problem, non_negative_int
-from trainguard.schedulers import kubernetes, slurm
+from trainguard.options import SettingsError, node_name_problem, non_negative_int
+from trainguard.schedulers import hostlist, kubernetes, slurm
 
 log = logging.getLogger("trainguard")
 
@@ -70,7 +70,10 @@ def autodetect(args: argparse.Namespace, env: Any = os.environ) -> slurm.SlurmJo
     of the run's settings builder (agent/settings.py), before the rooms read their flags."""
     if getattr(args, "no_slurm", False):
         return None
-    job = slurm.detect(env)
+    try:
+        job = slurm.detect(env)
+    except hostlist.HostlistError as exc:  # a malformed allocation: one line and exit 2, nothing started
+        raise SettingsError(f"cannot read the Slurm allocation's node list: {exc}") from None
     if job is None:
         return None
     args.slurm_applied = slurm.apply(args, job)

@@ -2,6 +2,9 @@
 "use strict";
 
 const TOKEN = new URLSearchParams(location.search).get("token");
+// The server answered the page's ?token= with an HttpOnly cookie: take the token out of the address
+// bar (and so out of history and shared screenshots); API calls carry it as a Bearer header too.
+if (TOKEN) history.replaceState(null, "", location.pathname);
 const POLL_MS = 2000;
 const MAX_ROWS = 300;
 const TIMELINE_KINDS = new Set(["job_started", "restart", "worker_failed", "worker_lost_peer", "hang_detected",
@@ -22,8 +25,8 @@ const clock = (t) => (t == null ? "-" : new Date(t * 1000).toLocaleTimeString([]
 const ms = (s) => (s == null ? "-" : (s * 1000).toFixed(1) + " ms");
 
 async function api(path) {
-  const headers = TOKEN ? { "X-Trainguard-Token": TOKEN } : {};
-  const r = await fetch(path, { headers, cache: "no-store" });
+  const headers = TOKEN ? { Authorization: `Bearer ${TOKEN}` } : {};
+  const r = await fetch(path, { headers, cache: "no-store", credentials: "same-origin" });
   if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
   return r;
 }
