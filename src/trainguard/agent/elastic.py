@@ -147,6 +147,10 @@ class TrainguardAgent(LocalElasticAgent):
         self.procs: TrainguardPContext | None = None
         self.restart_reason = "worker failure"
         self.new_round = False  # the policy decided RERENDEZVOUS: the coming restart uses no budget
+        self.workers_failed = False  # this attempt's workers failed (not stopped running by a decision)
+        # the workers' TORCHELASTIC_RESTART_COUNT: torchrun's count, kept apart from the budget
+        # (see counts_as_torchrun_restart)
+        self.torchelastic_restarts = 0
         self.final_failures: dict[int, RankFailure] = {}
         self.attempts: list[AttemptRecord] = []  # this node's failed attempts, for the restart-loop guard
         self.stop_decision: Decision | None = None
@@ -492,10 +496,11 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         spec = worker_group.spec
-        restart_count = spec.max_restarts - torch_compat.remaining_restarts(self)
+        restart_count = spec.max_restarts - torch_compat.remaining_restarts(self)  # the budget spent
+        self.workers_failed = False
         envs, args = {}, {}
         for worker in worker_group.workers:
-            envs[worker.local_rank] = self._worker_env(worker_group, worker, restart_count)
+            envs[worker.local_rank] = self._worker_env(worker_group, worker, self.torchelastic_restarts)
             args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
         timers = file_timer.start(envs, lambda: set(self.procs.pids().values()), self._timer_expired)
         torch_compat.start_worker_watchdogs(self, timers)  # torchrun's file timer and health check
@@ -524,6 +529,7 @@ class TrainguardAgent(LocalElasticAgent):
                 "run_id": self.run_info.run_id if self.run_info else None,
                 "first_attempt_of_run": self.run_info.first_attempt if self.run_info else 0,
                 "restart_count": restart_count,
+                "torchelastic_restart_count": self.torchelastic_restarts,
                 "max_restarts": spec.max_restarts,
                 "pids": {str(w.global_rank): w.pid for w in workers},
                 "identity": identity.record({w.global_rank: w.pid for w in workers}),  # chaos/stacks verify pids
@@ -554,12 +560,15 @@ class TrainguardAgent(LocalElasticAgent):
         what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
         if self.nan.armed and not membership:
             what = "NaN replay, no restart used"
+        if counts_as_torchrun_restart(membership=membership, workers_failed=self.workers_failed):
+            self.torchelastic_restarts += 1
         self.bus.emit(
             "restart",
             f"restarting workers ({what}): {reason}",
             severity=Severity.WARNING,
             evidence={
                 "restart_count": restart_count,
+                "torchelastic_restart_count": self.torchelastic_restarts,  # what the restarted workers get
                 "max_restarts": worker_group.spec.max_restarts,
                 "reason": reason,
                 "membership_change": membership,
@@ -616,6 +625,7 @@ class TrainguardAgent(LocalElasticAgent):
         return result
 
     def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
+        self.workers_failed = True  # torchrun restarts this group spending a restart, whatever we decide
         fs = failures.order(failures.collect(result, self.procs), failures.early_exits(result, self.procs))
         failures.report(self.bus, fs, self.attempt)
         self.final_failures = fs.failures
@@ -728,6 +738,23 @@ class TrainguardAgent(LocalElasticAgent):
     def close(self) -> None:
         self.monitors.notify("close")
         self._worker_store = None
+
+
+def counts_as_torchrun_restart(*, membership: bool, workers_failed: bool) -> bool:
+    """Whether a restart of the worker group adds one to the workers' TORCHELASTIC_RESTART_COUNT.
+
+    torchrun sets it to ``max_restarts - remaining_restarts`` (torch's local_elastic_agent
+    ``_start_workers``), and its ``_invoke_run`` takes one from ``remaining_restarts`` only when it
+    restarts a FAILED or UNHEALTHY group; a restart for nodes waiting in the rendezvous (a healthy
+    group: "membership changes do not count as retries") takes none. trainguard's budget
+    (``--max-restarts``) gives some failure restarts back (a NaN replay, a node lost or left) and
+    stops healthy workers itself for a new round, so the count is kept apart from it, by torchrun's
+    rule: a restart counts when this node's workers failed (whatever the policy then charged), or
+    when it spends the budget (a monitor's restart of running workers: a hang); a restart for a new
+    round while the workers were running (a node joined, a peer moved on, a node found lost before
+    the workers here failed) does not. Counted per agent, from 0 at its first start, as torchrun
+    does: a promoted standby's first workers see 0."""
+    return workers_failed or not membership
 
 
 def steps_in_logs(fs: dict[int, RankFailure]) -> int | None:
