@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch.distributed.elastic.utils import macros
 
 from trainguard import policy, stopsignal, torch_compat
 from trainguard.agent import file_timer
+from trainguard.agent import node_names as names
 from trainguard.agent import standby as standby_node
 from trainguard.agent.nantriage import NanTriage, last_steps
 from trainguard.cluster import exchange, runs
@@ -65,7 +67,6 @@ STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the a
 
 WORKER_STORE_KEY = "trainguard/worker_store"
 ROUND_ATTEMPT_KEY = "trainguard/round-attempt"  # the attempt node rank 0 starts in this round (a promoted standby takes it)
-NODE_NAME_KEY = "trainguard/node-name"  # + /<name>: the agent that goes by it in this round
 LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
 WORKER_STORE_WAIT_S = 60.0  # how long a node waits for node rank 0 to publish the workers' store (then the store's own wait)
 REACH_TIMEOUT_S = 10.0  # a node that cannot open a connection to the workers' store in this long cannot train
@@ -119,6 +120,7 @@ class TrainguardAgent(LocalElasticAgent):
         torch_logs: LogsSpecs | None = None,
         node_history: HistorySettings | None = None,
         standby: bool = False,
+        node_name_given: bool = True,
     ) -> None:
         self.logs = RunDirLogsSpecs(run_dir, torch_logs)
         super().__init__(spec, self.logs, exit_barrier_timeout=exit_barrier_timeout)
@@ -158,6 +160,8 @@ class TrainguardAgent(LocalElasticAgent):
         self._last_call_s: float | None = None  # the user's last call while a shorter one is set
         self._warmed = False
         self._agent_id = secrets.token_hex(4)  # tells two agents under one --node-name apart
+        self.node_name_given = node_name_given  # --node-name (or the scheduler's): never changed
+        self.node_name_decided = False  # a default name is decided at the first multi-node round, then kept
         self.nan = NanTriage(run_dir, bus.node, policy_settings.nan_replays)
         self.standby = standby  # --standby: waits beside the job until a node is lost (agent/standby.py)
         self.standby_waiting = standby  # not yet promoted into a round
@@ -316,22 +320,47 @@ class TrainguardAgent(LocalElasticAgent):
                      self.run_info.first_attempt)
 
     def _claim_node_name(self, wg: WorkerGroup) -> None:
-        """Take this node's name in the round's store (first writer wins): a second agent under
-        the same name stops the job on every node, saying which agents collide."""
-        if wg.store is None or (wg.group_world_size or 1) <= 1:
+        """Agree with the round's other agents on distinct node names (agent/node_names.py): a
+        default name taken by another agent becomes ``<host>-2``, ``<host>-3``...; one given name
+        on two agents stops the job on every agent, each saying which agents collide."""
+        nnodes = wg.group_world_size or 1
+        if wg.store is None or nnodes <= 1:  # nobody to collide with: the name stands
+            self.node_name_decided = True
             return
-        me = f"host {socket.gethostname()}, pid {os.getpid()}, agent {self._agent_id}"
+        scope = exchange.scope(_Round(self.attempt + 1, self.rdzv_backend))  # static: one store for every round
+        mine = names.Claim(wg.group_rank or 0, self.bus.node, socket.gethostname(), self.node_name_given,
+                           self.node_name_decided, f"host {socket.gethostname()}, pid {os.getpid()}, agent {self._agent_id}")
         try:
-            mine, stood = exchange.first_writer(self.peers.signed(wg.store), f"{NODE_NAME_KEY}/{self.bus.node}", me)
+            claims = names.exchange_claims(self.peers.signed(wg.store), wg.store, mine, nnodes, scope, WORKER_STORE_WAIT_S,
+                                           lambda: self._raise_if_stopped(wg.store, nnodes))  # fmt: skip
+        except NodesUnreachable:
+            raise
         except Exception as exc:  # the store is failing: the rendezvous' own error handling takes over
             log.debug("could not claim the node name: %s", exc)
             return
-        if mine:
-            return
-        msg = (f"two agents of this job are named {self.bus.node!r} (this one: {me}; the other: "
-               f"{stood.decode(errors='replace')}): give each node its own --node-name")
-        self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, msg)
-        raise DuplicateNodeName(msg)
+        assigned, collisions = names.assign([*[c for c in claims if c.rank != mine.rank], mine])
+        if collisions:
+            names.await_readers(wg.store, nnodes, scope)
+            raise DuplicateNodeName(collisions[0].message())
+        self.node_name_decided = True
+        if assigned[mine.rank] != self.bus.node:
+            self._rename(assigned[mine.rank])
+
+    def _raise_if_stopped(self, store: Any, nnodes: int) -> None:
+        """Another agent stopped the job before the workers started: said at once, not after a wait."""
+        news = self.peers.news(store, nnodes, force=True)
+        if isinstance(news, PeerStop):
+            raise NodesUnreachable(f"stopped by another node before the workers started: {news.reason}")
+
+    def _rename(self, name: str) -> None:
+        """Go by ``name`` from now on: its events, its peers' messages, the NaN triage. The run
+        dir's lock and event database keep the name they were opened under: the run dir is this
+        agent's alone (agents sharing one already got distinct names from its locks)."""
+        log.info("node %s: another agent of this job goes by %s; this one is %s (give --node-name to choose)",
+                 self.bus.node, self.bus.node, name)
+        self.bus.node = name
+        self.peers.node = name
+        self.nan.node = name
 
     @property
     def restarts_this_run(self) -> int:
@@ -388,9 +417,7 @@ class TrainguardAgent(LocalElasticAgent):
         the store's timeout."""
         deadline = time.monotonic() + WORKER_STORE_WAIT_S
         while not store.check([WORKER_STORE_KEY]) and time.monotonic() < deadline:
-            news = self.peers.news(store, nnodes, force=True)
-            if isinstance(news, PeerStop):
-                raise NodesUnreachable(f"stopped by another node before the workers started: {news.reason}")
+            self._raise_if_stopped(store, nnodes)
             time.sleep(0.1)
 
     def _timer_expired(self, pid: int, scope: str, sig: int) -> None:
@@ -738,6 +765,14 @@ class TrainguardAgent(LocalElasticAgent):
     def close(self) -> None:
         self.monitors.notify("close")
         self._worker_store = None
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What exchange.scope reads (a monitor's context has both)."""
+
+    restart_count: int
+    rdzv_backend: str
 
 
 def counts_as_torchrun_restart(*, membership: bool, workers_failed: bool) -> bool:
