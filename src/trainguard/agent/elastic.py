@@ -3,6 +3,9 @@
 What it changes, each through the agent's documented extension points:
 - ``_rendezvous``: a fresh TCPStore for the workers of every round. torch's agent reuses one store
   across restarts, so restarted gloo ranks read the dead ranks' old addresses (pytorch#135712).
+  The round's agents also agree on distinct node names there (agent/node_names.py).
+- ``_start_workers``/``_restart_workers``: the workers' TORCHELASTIC_RESTART_COUNT is counted as
+  torchrun counts it, apart from trainguard's restart budget (``counts_as_torchrun_restart``).
 - ``_initialize_workers``: before workers start, the monitors' pre-start outcome goes to the policy.
 - ``_start_workers``: workers come from pre-started processes with torch already imported, and
   their output is logged per rank with timestamps.
