@@ -71,7 +71,29 @@ dist.barrier()
 dist.destroy_process_group()
 '''
 ENV_SH = '#!/bin/bash\nenv | cut -d= -f1 | sort > "$1/$RANK"\n'
-SCRIPTS = {"touch.py": TOUCH_PY, "touch.sh": TOUCH_SH, "launched.py": LAUNCHED_PY, "init.py": INIT_PY, "env.sh": ENV_SH}
+# The values of torchrun's worker variables, per attempt (what changes from run to run left out:
+# addresses, ports, the run id, file paths); the last rank fails its first attempt once every rank
+# has written (the others would be stopped before they could).
+ENV_VALUES_PY = '''
+import os, sys, time
+same = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+        "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+out, count, rank = sys.argv[1], os.environ["TORCHELASTIC_RESTART_COUNT"], int(os.environ["RANK"])
+with open(os.path.join(out, f"attempt{count}-rank{rank}.tmp"), "w") as f:
+    f.write("\\n".join(f"{k}={os.environ.get(k)}" for k in same))
+os.rename(os.path.join(out, f"attempt{count}-rank{rank}.tmp"), os.path.join(out, f"attempt{count}-rank{rank}"))
+world = int(os.environ["WORLD_SIZE"])
+if count == "0" and rank == world - 1:
+    deadline = time.monotonic() + 60
+    while len([n for n in os.listdir(out) if n.startswith("attempt0-") and not n.endswith(".tmp")]) < world:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    raise RuntimeError("the last rank fails its first attempt")
+'''
+SCRIPTS = {"touch.py": TOUCH_PY, "touch.sh": TOUCH_SH, "launched.py": LAUNCHED_PY, "init.py": INIT_PY, "env.sh": ENV_SH,
+           "env_values.py": ENV_VALUES_PY}
 # What torchrun sets for its workers (names; trainguard may add its own TRAINGUARD_* and a few more)
 TORCH_ENV = re.compile(r"^(RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|LOCAL_WORLD_SIZE|WORLD_SIZE|GROUP_WORLD_SIZE|"
                        r"ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_\w+|OMP_NUM_THREADS)$")
@@ -136,6 +158,11 @@ def _env_names(r: Result) -> object:
     return sorted(names)
 
 
+def _touched_contents(r: Result) -> object:
+    d = r.work / "touched"
+    return {p.name: p.read_text() for p in sorted(d.iterdir())} if d.is_dir() else {}
+
+
 def _file(name: str) -> Callable[[Result], object]:
     return lambda r: (r.work / name).read_text() if (r.work / name).exists() else None
 
@@ -195,6 +222,8 @@ def scenarios() -> list[Scenario]:
         Scenario("worker-env", [*base, "--nproc-per-node=2", "--no-python", "{w}/env.sh", "{touched}"], _env_names),
         Scenario("raise-once-restarts", [*base, "--nproc-per-node=2", "--max-restarts=1", *py, "--fail-first-attempt"],
                  differs="user-error-stops", expect_exit=(0, 1)),
+        Scenario("worker-env-values", [*base, "--nproc-per-node=2", "--max-restarts=2", "{w}/env_values.py", "{touched}"],
+                 _touched_contents, trainguard_flags=["--restart-on-error"]),
         Scenario("raise-once-restart-on-error", [*base, "--nproc-per-node=2", "--max-restarts=1", *py, "--fail-first-attempt"],
                  _touched, trainguard_flags=["--restart-on-error"]),
     ]

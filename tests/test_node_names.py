@@ -6,10 +6,12 @@ agents under one name in one job stop it with a clear message."""
 from __future__ import annotations
 
 import shlex
+import socket
 
 import pytest
-from tgtest import EXAMPLE, free_port
+from tgtest import EXAMPLE, SCRIPTS, events, free_port
 
+from trainguard.agent import node_names
 from trainguard.options import node_name_problem
 from trainguard.schedulers import adapter, hostlist, slurm
 
@@ -77,3 +79,70 @@ def test_two_agents_under_one_node_name_stop_the_job_with_a_clear_message(jobs, 
         out = j.output()
         assert "two agents of this job are named 'twin'" in out and "give each node its own --node-name" in out, out
         assert "DistStoreError" not in out and "Traceback" not in out, out
+
+
+def _two_agents(jobs, tmp_path, port: int, *extra: str, fail_until: int = 0):
+    """Two launchers of one 2-node job on this host, each with its own run dir (torch's
+    test_launch_elastic_multiple_agents, plus --run-dir each); their workers fail while
+    TORCHELASTIC_RESTART_COUNT is below ``fail_until``."""
+    # --max-restarts: one spare, for a node whose healthy workers a new round restarted (count unchanged)
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", f"pair-{port}", "--max-restarts", str(fail_until + 1), "--restart-on-error", "--precheck", "off",
+              "--quiet", *extra]  # fmt: skip
+    script = [SCRIPTS / "restart_count_worker.py", "--gloo", "--fail-until", str(fail_until)]
+    return [jobs("run", *common, "--run-dir", tmp_path / name, *script, name=name) for name in ("a", "b")]
+
+
+@pytest.mark.slow
+def test_two_agents_on_one_host_with_their_own_run_dirs_get_distinct_default_names(jobs, tmp_path):
+    """Without --node-name both agents would be the host: the second in rendezvous order becomes
+    <host>-2, the job runs as under torchrun (a failed first attempt restarted), and the events of
+    the two run dirs name two nodes, each the same in both attempts."""
+    a, b = _two_agents(jobs, tmp_path, free_port(), fail_until=1)
+    assert (a.wait(), b.wait()) == (0, 0), (a.output(), b.output())
+    started = [[e.node for e in events(tmp_path / d, "job_started")] for d in ("a", "b")]
+    assert all(len(s) >= 2 for s in started), started  # the first attempt and its restart(s)
+    names = [set(s) for s in started]
+    assert all(len(n) == 1 for n in names) and names[0] != names[1], names
+    host = socket.gethostname()
+    assert names[0] | names[1] == {host, f"{host}-2"}, names
+
+
+@pytest.mark.slow
+def test_two_agents_given_one_node_name_both_exit_with_a_clear_line(jobs, tmp_path):
+    """--node-name given twice is refused as bad input: both launchers exit 2 (neither left
+    waiting, nor its workers started), each saying which name collides."""
+    a, b = _two_agents(jobs, tmp_path, free_port(), "--node-name", "same")
+    codes = (a.wait(), b.wait())  # tgtest's deadline: a launcher left running fails here
+    assert codes == (2, 2), (a.output(), b.output())
+    assert not events(tmp_path / "a", "job_started") and not events(tmp_path / "b", "job_started")
+    for j in (a, b):
+        out = j.output()
+        assert "two agents of this job are named 'same'" in out and "give each node its own --node-name" in out, out
+
+
+def _claim(rank, name, *, given=False, decided=False, host="vm"):
+    return node_names.Claim(rank, name, host, given, decided, f"host {host}, agent {rank}")
+
+
+def test_default_names_on_one_host_follow_the_rendezvous_order():
+    names, collisions = node_names.assign([_claim(2, "vm"), _claim(0, "vm"), _claim(1, "vm")])
+    assert names == {0: "vm", 1: "vm-2", 2: "vm-3"} and not collisions
+
+
+def test_a_default_name_yields_to_a_given_one_and_kept_names_stay():
+    # rank 0 kept "vm-2" from an earlier round; rank 1 was given "vm"; rank 2 is new
+    names, collisions = node_names.assign([_claim(0, "vm-2", decided=True), _claim(1, "vm", given=True), _claim(2, "vm")])
+    assert names == {0: "vm-2", 1: "vm", 2: "vm-3"} and not collisions
+
+
+def test_a_default_name_from_a_shared_run_dirs_lock_is_kept_when_free():
+    names, collisions = node_names.assign([_claim(0, "vm-2"), _claim(1, "vm")])
+    assert names == {0: "vm-2", 1: "vm"} and not collisions
+
+
+def test_only_a_fixed_name_on_two_agents_is_refused():
+    _, collisions = node_names.assign([_claim(0, "twin", given=True), _claim(1, "twin", given=True), _claim(2, "twin")])
+    (c,) = collisions
+    assert c.name == "twin" and [x.rank for x in c.claims] == [0, 1]
+    assert c.message().startswith("two agents of this job are named 'twin' (host vm, agent 0; host vm, agent 1)")

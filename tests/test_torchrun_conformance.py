@@ -12,8 +12,10 @@ pytestmark = pytest.mark.slow
 conformance = bench_module("conformance")
 # parser abbreviations + --redirect/--tee + the prefix template; torch's files under --log-dir (tee
 # with --local-ranks-filter); two agents of one job on one host; bad --nnodes (one line, exit 2); the
-# workers' environment; torchrun's restart on a Python exception (--restart-on-error)
-CHOSEN = ("capture-logs", "tee-filter-files", "multiple-agents", "nnodes-bad", "worker-env", "raise-once-restart-on-error")
+# workers' environment: its names, and the values of the rank and TORCHELASTIC_* ones across a
+# restart; torchrun's restart on a Python exception (--restart-on-error)
+CHOSEN = ("capture-logs", "tee-filter-files", "multiple-agents", "nnodes-bad", "worker-env", "worker-env-values",
+          "raise-once-restart-on-error")
 SCENARIOS = {s.name: s for s in conformance.scenarios()}
 
 

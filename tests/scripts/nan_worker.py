@@ -3,8 +3,10 @@ every step. Stops like most training loops do on a non-finite gradient norm or l
 (FloatingPointError). Prints `resume step=S`, `step=S`, `done`.
 
 --flip-step N: rank 1 corrupts one gradient value to NaN after the reduction at step N, in its
-run's first attempt only (TRAINGUARD_RESTART_COUNT 0): a one-off fault on one rank, as silent data
-corruption would. --lr: a learning rate that diverges on every rank.
+run's first attempt only (TRAINGUARD_RESTART_COUNT 0, or the variable --first-attempt-var names: a
+torchrun script reads TORCHELASTIC_RESTART_COUNT): a one-off fault on one rank, as silent data
+corruption would. --lr: a learning rate that diverges on every rank. Every attempt prints
+`TORCHELASTIC_RESTART_COUNT=N` first.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--flip-step", type=int, default=-1)
     p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--first-attempt-var", default="TRAINGUARD_RESTART_COUNT")
     args = p.parse_args()
 
+    print(f"TORCHELASTIC_RESTART_COUNT={os.environ.get('TORCHELASTIC_RESTART_COUNT')}", flush=True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -43,7 +47,7 @@ def main() -> None:
         opt.load_state_dict(state["optim"])
         start = int(state["step"])
     print(f"resume step={start}", flush=True)
-    first_attempt = os.environ.get("TRAINGUARD_RESTART_COUNT", "0") == "0"
+    first_attempt = os.environ.get(args.first_attempt_var, "0") == "0"
     for step in range(start + 1, args.steps + 1):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, 16, generator=gen)

@@ -3,6 +3,9 @@
 What it changes, each through the agent's documented extension points:
 - ``_rendezvous``: a fresh TCPStore for the workers of every round. torch's agent reuses one store
   across restarts, so restarted gloo ranks read the dead ranks' old addresses (pytorch#135712).
+  The round's agents also agree on distinct node names there (agent/node_names.py).
+- ``_start_workers``/``_restart_workers``: the workers' TORCHELASTIC_RESTART_COUNT is counted as
+  torchrun counts it, apart from trainguard's restart budget (``counts_as_torchrun_restart``).
 - ``_initialize_workers``: before workers start, the monitors' pre-start outcome goes to the policy.
 - ``_start_workers``: workers come from pre-started processes with torch already imported, and
   their output is logged per rank with timestamps.
@@ -28,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from torch.distributed.elastic.utils import macros
 
 from trainguard import policy, stopsignal, torch_compat
 from trainguard.agent import file_timer
+from trainguard.agent import node_names as names
 from trainguard.agent import standby as standby_node
 from trainguard.agent.nantriage import NanTriage, last_steps
 from trainguard.cluster import exchange, runs
@@ -65,7 +70,6 @@ STOP_SIGNAL_GRACE_S = 3.0  # how long workers' stop-signal deaths wait for the a
 
 WORKER_STORE_KEY = "trainguard/worker_store"
 ROUND_ATTEMPT_KEY = "trainguard/round-attempt"  # the attempt node rank 0 starts in this round (a promoted standby takes it)
-NODE_NAME_KEY = "trainguard/node-name"  # + /<name>: the agent that goes by it in this round
 LAST_CALL_AFTER_CHANGE_S = 1.0  # the round after a node left or was lost waits this long for more nodes
 WORKER_STORE_WAIT_S = 60.0  # how long a node waits for node rank 0 to publish the workers' store (then the store's own wait)
 REACH_TIMEOUT_S = 10.0  # a node that cannot open a connection to the workers' store in this long cannot train
@@ -119,6 +123,7 @@ class TrainguardAgent(LocalElasticAgent):
         torch_logs: LogsSpecs | None = None,
         node_history: HistorySettings | None = None,
         standby: bool = False,
+        node_name_given: bool = True,
     ) -> None:
         self.logs = RunDirLogsSpecs(run_dir, torch_logs)
         super().__init__(spec, self.logs, exit_barrier_timeout=exit_barrier_timeout)
@@ -147,6 +152,10 @@ class TrainguardAgent(LocalElasticAgent):
         self.procs: TrainguardPContext | None = None
         self.restart_reason = "worker failure"
         self.new_round = False  # the policy decided RERENDEZVOUS: the coming restart uses no budget
+        self.workers_failed = False  # this attempt's workers failed (not stopped running by a decision)
+        # the workers' TORCHELASTIC_RESTART_COUNT: torchrun's count, kept apart from the budget
+        # (see counts_as_torchrun_restart)
+        self.torchelastic_restarts = 0
         self.final_failures: dict[int, RankFailure] = {}
         self.attempts: list[AttemptRecord] = []  # this node's failed attempts, for the restart-loop guard
         self.stop_decision: Decision | None = None
@@ -154,6 +163,8 @@ class TrainguardAgent(LocalElasticAgent):
         self._last_call_s: float | None = None  # the user's last call while a shorter one is set
         self._warmed = False
         self._agent_id = secrets.token_hex(4)  # tells two agents under one --node-name apart
+        self.node_name_given = node_name_given  # --node-name (or the scheduler's): never changed
+        self.node_name_decided = False  # a default name is decided at the first multi-node round, then kept
         self.nan = NanTriage(run_dir, bus.node, policy_settings.nan_replays)
         self.standby = standby  # --standby: waits beside the job until a node is lost (agent/standby.py)
         self.standby_waiting = standby  # not yet promoted into a round
@@ -312,22 +323,47 @@ class TrainguardAgent(LocalElasticAgent):
                      self.run_info.first_attempt)
 
     def _claim_node_name(self, wg: WorkerGroup) -> None:
-        """Take this node's name in the round's store (first writer wins): a second agent under
-        the same name stops the job on every node, saying which agents collide."""
-        if wg.store is None or (wg.group_world_size or 1) <= 1:
+        """Agree with the round's other agents on distinct node names (agent/node_names.py): a
+        default name taken by another agent becomes ``<host>-2``, ``<host>-3``...; one given name
+        on two agents stops the job on every agent, each saying which agents collide."""
+        nnodes = wg.group_world_size or 1
+        if wg.store is None or nnodes <= 1:  # nobody to collide with: the name stands
+            self.node_name_decided = True
             return
-        me = f"host {socket.gethostname()}, pid {os.getpid()}, agent {self._agent_id}"
+        scope = exchange.scope(_Round(self.attempt + 1, self.rdzv_backend))  # static: one store for every round
+        mine = names.Claim(wg.group_rank or 0, self.bus.node, socket.gethostname(), self.node_name_given,
+                           self.node_name_decided, f"host {socket.gethostname()}, pid {os.getpid()}, agent {self._agent_id}")
         try:
-            mine, stood = exchange.first_writer(self.peers.signed(wg.store), f"{NODE_NAME_KEY}/{self.bus.node}", me)
+            claims = names.exchange_claims(self.peers.signed(wg.store), wg.store, mine, nnodes, scope, WORKER_STORE_WAIT_S,
+                                           lambda: self._raise_if_stopped(wg.store, nnodes))  # fmt: skip
+        except NodesUnreachable:
+            raise
         except Exception as exc:  # the store is failing: the rendezvous' own error handling takes over
             log.debug("could not claim the node name: %s", exc)
             return
-        if mine:
-            return
-        msg = (f"two agents of this job are named {self.bus.node!r} (this one: {me}; the other: "
-               f"{stood.decode(errors='replace')}): give each node its own --node-name")
-        self.peers.stop_everywhere(wg.store, wg.group_world_size or 1, msg)
-        raise DuplicateNodeName(msg)
+        assigned, collisions = names.assign([*[c for c in claims if c.rank != mine.rank], mine])
+        if collisions:
+            names.await_readers(wg.store, nnodes, scope)
+            raise DuplicateNodeName(collisions[0].message())
+        self.node_name_decided = True
+        if assigned[mine.rank] != self.bus.node:
+            self._rename(assigned[mine.rank])
+
+    def _raise_if_stopped(self, store: Any, nnodes: int) -> None:
+        """Another agent stopped the job before the workers started: said at once, not after a wait."""
+        news = self.peers.news(store, nnodes, force=True)
+        if isinstance(news, PeerStop):
+            raise NodesUnreachable(f"stopped by another node before the workers started: {news.reason}")
+
+    def _rename(self, name: str) -> None:
+        """Go by ``name`` from now on: its events, its peers' messages, the NaN triage. The run
+        dir's lock and event database keep the name they were opened under: the run dir is this
+        agent's alone (agents sharing one already got distinct names from its locks)."""
+        log.info("node %s: another agent of this job goes by %s; this one is %s (give --node-name to choose)",
+                 self.bus.node, self.bus.node, name)
+        self.bus.node = name
+        self.peers.node = name
+        self.nan.node = name
 
     @property
     def restarts_this_run(self) -> int:
@@ -384,9 +420,7 @@ class TrainguardAgent(LocalElasticAgent):
         the store's timeout."""
         deadline = time.monotonic() + WORKER_STORE_WAIT_S
         while not store.check([WORKER_STORE_KEY]) and time.monotonic() < deadline:
-            news = self.peers.news(store, nnodes, force=True)
-            if isinstance(news, PeerStop):
-                raise NodesUnreachable(f"stopped by another node before the workers started: {news.reason}")
+            self._raise_if_stopped(store, nnodes)
             time.sleep(0.1)
 
     def _timer_expired(self, pid: int, scope: str, sig: int) -> None:
@@ -492,10 +526,11 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         spec = worker_group.spec
-        restart_count = spec.max_restarts - torch_compat.remaining_restarts(self)
+        restart_count = spec.max_restarts - torch_compat.remaining_restarts(self)  # the budget spent
+        self.workers_failed = False
         envs, args = {}, {}
         for worker in worker_group.workers:
-            envs[worker.local_rank] = self._worker_env(worker_group, worker, restart_count)
+            envs[worker.local_rank] = self._worker_env(worker_group, worker, self.torchelastic_restarts)
             args[worker.local_rank] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
         timers = file_timer.start(envs, lambda: set(self.procs.pids().values()), self._timer_expired)
         torch_compat.start_worker_watchdogs(self, timers)  # torchrun's file timer and health check
@@ -524,6 +559,7 @@ class TrainguardAgent(LocalElasticAgent):
                 "run_id": self.run_info.run_id if self.run_info else None,
                 "first_attempt_of_run": self.run_info.first_attempt if self.run_info else 0,
                 "restart_count": restart_count,
+                "torchelastic_restart_count": self.torchelastic_restarts,
                 "max_restarts": spec.max_restarts,
                 "pids": {str(w.global_rank): w.pid for w in workers},
                 "identity": identity.record({w.global_rank: w.pid for w in workers}),  # chaos/stacks verify pids
@@ -554,12 +590,15 @@ class TrainguardAgent(LocalElasticAgent):
         what = "new round, no restart used" if membership else f"restart {restart_count}/{worker_group.spec.max_restarts}"
         if self.nan.armed and not membership:
             what = "NaN replay, no restart used"
+        if counts_as_torchrun_restart(membership=membership, workers_failed=self.workers_failed):
+            self.torchelastic_restarts += 1
         self.bus.emit(
             "restart",
             f"restarting workers ({what}): {reason}",
             severity=Severity.WARNING,
             evidence={
                 "restart_count": restart_count,
+                "torchelastic_restart_count": self.torchelastic_restarts,  # what the restarted workers get
                 "max_restarts": worker_group.spec.max_restarts,
                 "reason": reason,
                 "membership_change": membership,
@@ -616,6 +655,7 @@ class TrainguardAgent(LocalElasticAgent):
         return result
 
     def _on_failure(self, wg: WorkerGroup, result: RunResult) -> RunResult:
+        self.workers_failed = True  # torchrun restarts this group spending a restart, whatever we decide
         fs = failures.order(failures.collect(result, self.procs), failures.early_exits(result, self.procs))
         failures.report(self.bus, fs, self.attempt)
         self.final_failures = fs.failures
@@ -728,6 +768,31 @@ class TrainguardAgent(LocalElasticAgent):
     def close(self) -> None:
         self.monitors.notify("close")
         self._worker_store = None
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What exchange.scope reads (a monitor's context has both)."""
+
+    restart_count: int
+    rdzv_backend: str
+
+
+def counts_as_torchrun_restart(*, membership: bool, workers_failed: bool) -> bool:
+    """Whether a restart of the worker group adds one to the workers' TORCHELASTIC_RESTART_COUNT.
+
+    torchrun sets it to ``max_restarts - remaining_restarts`` (torch's local_elastic_agent
+    ``_start_workers``), and its ``_invoke_run`` takes one from ``remaining_restarts`` only when it
+    restarts a FAILED or UNHEALTHY group; a restart for nodes waiting in the rendezvous (a healthy
+    group: "membership changes do not count as retries") takes none. trainguard's budget
+    (``--max-restarts``) gives some failure restarts back (a NaN replay, a node lost or left) and
+    stops healthy workers itself for a new round, so the count is kept apart from it, by torchrun's
+    rule: a restart counts when this node's workers failed (whatever the policy then charged), or
+    when it spends the budget (a monitor's restart of running workers: a hang); a restart for a new
+    round while the workers were running (a node joined, a peer moved on, a node found lost before
+    the workers here failed) does not. Counted per agent, from 0 at its first start, as torchrun
+    does: a promoted standby's first workers see 0."""
+    return workers_failed or not membership
 
 
 def steps_in_logs(fs: dict[int, RankFailure]) -> int | None:

@@ -22,7 +22,13 @@ from torch.distributed.run import config_from_args
 
 from trainguard import stopsignal
 from trainguard.agent import console, hold, runlock, standby
-from trainguard.agent.elastic import JobStopped, NodeExcluded, NodesUnreachable, TrainguardAgent
+from trainguard.agent.elastic import (
+    DuplicateNodeName,
+    JobStopped,
+    NodeExcluded,
+    NodesUnreachable,
+    TrainguardAgent,
+)
 from trainguard.agent.settings import LaunchSettings, RunSettings, TorchRun
 from trainguard.cluster import keeper
 from trainguard.cluster.stores import JobKey, address_toward, bound_store, is_loopback, reaches_loopback
@@ -347,12 +353,14 @@ def _make_agent(settings: RunSettings, job: Job, run_dir: Path, monitors: list, 
         torch_logs=job.torch_logs,
         node_history=launch.node_history,
         standby=launch.standby,
+        node_name_given=launch.node_name_given,
     )
 
 
-def _run_agent(agent: TrainguardAgent, bus: EventBus, node: str, max_restarts: int) -> Outcome:
+def _run_agent(agent: TrainguardAgent, bus: EventBus, max_restarts: int) -> Outcome:
     """Run the job to its end on this node; the event that says how it ended."""
     result = agent.run()
+    node = bus.node  # after the run: the first round may have renamed the node (agent/node_names.py)
     if result is None and agent.standby_waiting:  # torch's graceful exit: the job closed its rendezvous
         return _standby_released(bus, node, "")
     if result is not None and result.state == WorkerState.SUCCEEDED:
@@ -406,7 +414,8 @@ def _ended_by(exc: Exception, agent: TrainguardAgent | None, job: Job, node: str
     if isinstance(exc, NodesUnreachable):
         bus.emit("job_failed", f"job failed: {exc}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
         print(f"trainguard run: error: {exc}", file=sys.stderr)
-        return Outcome(verdict=str(exc))
+        # one --node-name on two agents is bad input, refused before any worker started
+        return Outcome(EXIT_USAGE if isinstance(exc, DuplicateNodeName) else EXIT_FAILED, str(exc))
     if isinstance(exc, JobStopped):
         bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
         # too few healthy nodes left: retry elsewhere
@@ -474,9 +483,9 @@ def _launch(settings: RunSettings, run_dir: Path, node: str, monitors: list, sto
     try:
         agent = _make_agent(settings, job, run_dir, monitors, bus, pool)
         log.info("run dir %s; node %s; %d worker(s) per node", run_dir, node, job.config.nproc_per_node)
-        out = _run_agent(agent, bus, node, job.config.max_restarts)
+        out = _run_agent(agent, bus, job.config.max_restarts)
     except Exception as exc:
-        out = _ended_by(exc, agent, job, node, bus, sched)
+        out = _ended_by(exc, agent, job, bus.node, bus, sched)
     finally:
         _stop(settings.launch, out, agent, pool, sched, bus, run_dir)
         job.rdzv_server = None

@@ -17,6 +17,7 @@ builder (``from_options``, called from here only).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import secrets
@@ -33,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.api import Std
 from torch.distributed.elastic.utils import macros
 from torch.distributed.run import get_use_env, parse_min_max_nnodes
 
+from trainguard.agent.node_names import default_names
 from trainguard.cluster.node_history import HistorySettings
 from trainguard.events import Severity
 from trainguard.events.notify import bad_urls, urls_from_env
@@ -60,6 +62,7 @@ class LaunchSettings:
     tee_ranks: frozenset[int] | None  # local ranks echoed to the console; None: all
     node_history: HistorySettings = HistorySettings()  # the site's node history (cluster/node_history.py)
     standby: bool = False  # --standby: this agent waits beside the job and replaces a lost node (agent/standby.py)
+    node_name_given: bool = True  # --node-name (or the scheduler's); False: a default the round may change (agent/node_names.py)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ def _launch_settings(args: argparse.Namespace) -> LaunchSettings:
     return LaunchSettings(
         run_dir=Path(args.run_dir or Path("trainguard-runs") / _job_id(args)).absolute(),
         node_names=tuple(names),
+        node_name_given=bool(args.node_name),
         notify=notify,
         notify_severity=Severity.parse(args.notify_severity),
         # Spares only for Python workers (a --no-python binary starts its own interpreter, if any).
@@ -190,15 +194,17 @@ def _job_id(args: argparse.Namespace) -> str:
 
 
 def _node_names(args: argparse.Namespace) -> list[str]:
-    """The names this node may take, first free one wins: --node-name, else the host name; for a
-    multi-node job without --node-name also ``<host>-1``, ``<host>-2``... so that several agents of
-    one job on one host (torchrun allows it: each is a node) get distinct names and locks. A
-    single-node job keeps one name: a second one on its run dir is a mistake, refused."""
+    """The names this node may take on its run dir, first free one wins: --node-name, else the
+    host name; for a multi-node job without --node-name also ``<host>-2``, ``<host>-3``... so that
+    several agents of one job on one host (torchrun allows it: each is a node) sharing a run dir
+    get distinct names and locks (with a run dir each, the first round tells them apart:
+    agent/node_names.py). A single-node job keeps one name: a second one on its run dir is a
+    mistake, refused."""
     if args.node_name:
         return [args.node_name]
     host = socket.gethostname()
     max_nodes = parse_min_max_nnodes(args.nnodes)[1]  # checked in _flag_problem; Slurm's is a number
-    return [host, *(f"{host}-{i}" for i in range(1, max_nodes))]
+    return [host, *itertools.islice(default_names(host), 1, max_nodes)]
 
 
 def _target(args: argparse.Namespace) -> Target:
