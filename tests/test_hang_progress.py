@@ -346,3 +346,17 @@ def test_stall_waiting_for_more_samples() -> None:
     progress = {r: judge_progress(samples(r, [views[r].frames]), CFG) for r in views}
     assert judge_stall(verdict, progress, 8.0, limits()).state == "watch"
     assert judge_stall(verdict, progress, 600.0, limits(), job=QUIET).state == "watch"  # the window waits too
+
+
+def test_window_needs_several_stack_samples_before_calling_a_rank_still() -> None:
+    """A job without steps is first looked at when the seed's rule opens the watch, at the window
+    itself: /proc samples for the whole window but one stack sample of a busy rank (tokenising)
+    say nothing about its stack moving."""
+    views = {r: RankView(r, "R", user("tokenise", 112), busy=True) for r in (0, 1)}
+    verdict = find_culprit(views)
+    full = {r: samples(r, [user("tokenise", 112)] * 6, cpu_per_s=1.0) for r in views}
+    one = {r: judge_progress(dataclasses.replace(full[r], stacks=full[r].stacks[-1:]), CFG) for r in views}
+    assert one[0].kind == BUSY and one[0].samples == 1
+    assert judge_stall(verdict, one, 600.0, limits(), {}, job=QUIET).state == "watch"
+    four = {r: judge_progress(dataclasses.replace(full[r], stacks=full[r].stacks[-4:]), CFG) for r in views}
+    assert judge_stall(verdict, four, 600.0, limits(), {}, job=QUIET).state == "detected"  # then a spin

@@ -147,13 +147,14 @@ class HangEvidence:
     ``hang_suspected`` or ``hang_detected`` with the full evidence; on several nodes that is one
     node for the whole job, and the others act on the same verdict).
 
-    ``level`` "suspected": steps stopped but the candidate culprit is busy and progressing (a long
-    evaluation, a save, a loop): a warning. "detected": the culprit shows no progress (stopped,
-    D state, idle while peers wait, the very same frame past its limit), or no step for the
-    seed's ``--hang-detect-time``, or the seed's I/O + utilisation rule."""
+    ``level`` "suspected": steps stopped but no hang is proven (the candidate is busy or
+    progressing, or waits on something alive; past --hang-detect-time the job is still alive): a
+    warning. "detected": the culprit's wait is proven dead (stopped, gone while waited for, D state,
+    a dead wait the kernel shows), or at the seed's window nothing in the job moved (no I/O, flat
+    utilisation, no rank progressing). See detect.verdict."""
 
     rank: int | None  # the culprit; None when no single rank could be named
-    rule: str  # "steps" (progress judged), "detect-time" (no step for --hang-detect-time) or "io+utilisation"
+    rule: str  # "steps" (a proof), "detect-time" / "io+utilisation" (the seed's window), "window" (a suspicion past it)
     reason: str  # why that rank (the culprit finder's words)
     causes: list[dict[str, Any]] = field(default_factory=list)  # known causes the stacks show
     report: str | None = None  # the readable hang report in the run dir

@@ -35,6 +35,7 @@ from trainguard.detect.waits import Wait
 
 # Progress signals that are progress at the window by themselves; a moving stack counts only with CPU.
 WINDOW_SIGNALS = ("io", "net", "spans", "collectives", "gpu", "children")
+WINDOW_MIN_STACKS = 3  # stack samples a rank must stand still in before the window calls it still
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,10 @@ def _at_window(
 ) -> StallVerdict:  # fmt: skip
     """No step for the whole window and no proof: the seed's rule decides."""
     pos = verdict.positions
-    if any(progress[r].kind == UNKNOWN for r in order):
+    if any(progress[r].kind == UNKNOWN or (progress[r].kind in (BUSY, IDLE) and progress[r].samples < WINDOW_MIN_STACKS)
+           for r in order):  # fmt: skip
+        # standing still must be seen in several stack samples (a job without steps is first
+        # looked at when the seed's rule opens the watch, at the window itself)
         return StallVerdict("watch", verdict.rank, "", "waiting for more samples", limit=limits.detect_time)
     alive = [r for r in order if progressing_at_window(progress[r], limits.idle_cpu)]
     still = [r for r in order if r not in alive]

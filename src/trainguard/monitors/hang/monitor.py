@@ -55,6 +55,9 @@ FLIGHT_TIMEOUT = 2.0  # a worker's Flight Recorder answers from a C++ thread in 
 FOLLOW_STALLED_S = 0.5  # how often the agent's loop looks for the job's verdict while steps stall here
 FOLLOW_IDLE_S = 2.0  # ... and otherwise (a node that saw no stall still acts on the job's verdict)
 FIRST_STEP = "first_step"  # key of the learned first-step time (beside the phases' pauses)
+# Stack samples kept per rank; at the window a rank must stand on one stack in all of them
+# (at least detect.verdict.WINDOW_MIN_STACKS) to count as not progressing.
+WINDOW_STACKS = 16
 # Environment names for --hang-detect-time, in order of preference (the seed's name is an alias).
 DETECT_TIME_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME")
 HANG_ACTIONS = ("restart", "notify")
@@ -170,7 +173,7 @@ class _History:
     """The last few /proc samples and py-spy stacks of every rank (bounded), for detect.progress."""
 
     def __init__(self, cfg: HangConfig) -> None:
-        keep = int(max(cfg.window, 4 * cfg.stack_every) / cfg.period) + 8
+        keep = int(max(cfg.window, WINDOW_STACKS * cfg.stack_every) / cfg.period) + 8
         # rank -> (its /proc sample, the collectives it had started then: None when unknown)
         self.procs: dict[int, deque[tuple[proc.ProcSample, int | None]]] = {}
         self.stacks: dict[int, deque[tuple[float, tuple[stacks.Frame, ...] | None]]] = {}
@@ -184,17 +187,17 @@ class _History:
     def add_stacks(self, when: float, views: dict[int, RankView]) -> None:
         for r, v in views.items():
             frames = tuple(v.frames) if v.frames else None
-            self.stacks.setdefault(r, deque(maxlen=16)).append((when, frames))
+            self.stacks.setdefault(r, deque(maxlen=WINDOW_STACKS)).append((when, frames))
 
     def clear_stacks(self) -> None:
         self.stacks.clear()
 
-    def samples(self, rank: int, now: float, cfg: HangConfig, since: float) -> RankSamples:
-        """The rank's window: ``cfg.window`` seconds (or the last 3 stack samples when they go
-        further back), never before ``since`` (the stall's start: the last step's own log line
-        is no progress of the stall)."""
+    def samples(self, rank: int, now: float, cfg: HangConfig, since: float, span: float | None = None) -> RankSamples:
+        """The rank's window: ``span`` seconds (default ``cfg.window``; or the last 3 stack samples
+        when they go further back), never before ``since`` (the stall's start: the last step's own
+        log line is no progress of the stall)."""
         st = list(self.stacks.get(rank, ()))
-        start = now - cfg.window
+        start = now - (cfg.window if span is None else span)
         if len(st) >= 3:
             start = min(start, st[-3][0])
         start = max(start, since)
@@ -385,14 +388,16 @@ class _Watch:
         self.waits, self.raw_waits = {}, {}
         self.next_stacks = -math.inf
 
-    def _progress(self, now: float, verdict: CulpritVerdict, since: float) -> tuple[CulpritVerdict, dict[int, Progress]]:
-        """The verdict with each rank's recent phase, and each rank's progress since ``since``."""
+    def _progress(self, now: float, verdict: CulpritVerdict, since: float,
+                  span: float | None = None) -> tuple[CulpritVerdict, dict[int, Progress]]:  # fmt: skip
+        """The verdict with each rank's recent phase, and each rank's progress since ``since``
+        (over the last ``span`` seconds; default the progress window)."""
         verdict = dataclasses.replace(verdict, positions={
             r: p if phase_of(p) else dataclasses.replace(p, phase=self.recent_phase.get(r, ""))
             for r, p in verdict.positions.items()
         })  # fmt: skip
         progress = {
-            r: judge_progress(self.history.samples(r, now, self.cfg, since), self.cfg, waiting=p.waiting)
+            r: judge_progress(self.history.samples(r, now, self.cfg, since, span), self.cfg, waiting=p.waiting)
             for r, p in verdict.positions.items()
         }
         return verdict, progress
@@ -418,7 +423,10 @@ class _Watch:
     ) -> HangEvidence | None:
         """The verdict on a stall of ``a.stall`` seconds (since ``since``, over ``threshold``)."""
         cfg = self.cfg
-        verdict, progress = self._progress(now, verdict, since)
+        # At the window a rank's stack is compared over every sample kept (WINDOW_STACKS), not the
+        # short progress window: a tight loop on one line is seen off its line now and then.
+        span = WINDOW_STACKS * cfg.stack_every if a.stall >= cfg.detect_time else None
+        verdict, progress = self._progress(now, verdict, since, span)
         threshold = min(threshold, cfg.detect_time)
         limits = Limits(
             threshold=threshold,
