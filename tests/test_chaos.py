@@ -176,10 +176,12 @@ def test_chaos_net_loss_and_net_slow_revert_cleanly(jobs, tmp_path):
         wait_event(run, "chaos_reverted", pred=lambda e: e.evidence["fault"] == "net-loss")
         assert shown() == clean
 
-        done = chaos(run, "net-slow", "--node", "n1", "--rate-kbit", "500", "--duration", "1")
+        # held until its holder is told to end (a 1 s hold could end before a loaded machine looked)
+        done = chaos(run, "net-slow", "--node", "n1", "--rate-kbit", "500", "--duration", "600")
         assert done.returncode == 0, done.stderr
         slow = events(run, "chaos_injected")[-1].evidence
         assert slow["how"] == "tbf" and "tbf" in shown() and "rate 500Kbit" in shown()
+        psutil.Process(slow["holder"]).terminate()
         wait_event(run, "chaos_reverted", pred=lambda e: e.evidence["fault"] == "net-slow")
         assert shown() == clean
 

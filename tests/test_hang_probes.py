@@ -276,7 +276,7 @@ def test_hang_claimer_gone_a_waiting_node_judges_and_one_verdict_stands(tmp_path
 
     from trainguard.detect.culprit import RankView, find_culprit
     from trainguard.detect.hang import Assessment, HangConfig
-    from trainguard.detect.progress import StallVerdict
+    from trainguard.detect.verdict import StallVerdict
     from trainguard.events import EventBus
     from trainguard.monitors.api import MonitorContext, StepTracker
     from trainguard.monitors.hang.exchange import HangExchange, NodeViews

@@ -139,16 +139,7 @@ def make_handler(dash: Dashboard) -> type[BaseHTTPRequestHandler]:
             auth = self.headers.get("Authorization") or ""
             bearer = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
             return any(dash.valid(given) for given in
-                       (bearer, self.headers.get("X-Trainguard-Token") or "", self._cookie_token()))
-
-        def _cookie_token(self) -> str:
-            jar = SimpleCookie()
-            try:
-                jar.load(self.headers.get("Cookie") or "")
-            except CookieError:
-                return ""
-            morsel = jar.get(dash.cookie)
-            return morsel.value if morsel is not None else ""
+                       (bearer, self.headers.get("X-Trainguard-Token") or "", cookie_value(self.headers, dash.cookie)))
 
         def do_GET(self) -> None:  # noqa: N802 -- http.server's name
             self._cookie = ""
@@ -172,23 +163,43 @@ def make_handler(dash: Dashboard) -> type[BaseHTTPRequestHandler]:
                 return self._json({"error": "not found"}, HTTPStatus.NOT_FOUND)
             if not self._authorized(query):
                 return self._json({"error": "token required"}, HTTPStatus.FORBIDDEN)
-            try:
-                if path == "/api/state":
-                    after = int((query.get("after") or ["0"])[0])
-                    columns = max(10, min(400, int((query.get("columns") or ["80"])[0])))
-                    return self._json(dash.state(after, columns))
-                if path == "/api/hang":
-                    text = read_report(dash.view.run_dir, (query.get("name") or [""])[0])
-                    if text is None:
-                        return self._json({"error": "no such report"}, HTTPStatus.NOT_FOUND)
-                    return self._send(200, text.encode(), "text/plain; charset=utf-8")
-            except ValueError as exc:
-                return self._json({"error": str(exc)}, HTTPStatus.BAD_REQUEST)
-            except Exception as exc:  # a damaged run-dir file: this refresh fails, the server serves on
-                return self._json({"error": f"cannot read the run: {exc}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
-            return self._json({"error": "not found"}, HTTPStatus.NOT_FOUND)
+            return self._send(*api_answer(dash, path, query))
 
     return Handler
+
+
+def cookie_value(headers: Any, name: str) -> str:
+    """The value of cookie ``name`` in a request's Cookie header ("" when none or unreadable)."""
+    jar = SimpleCookie()
+    try:
+        jar.load(headers.get("Cookie") or "")
+    except CookieError:
+        return ""
+    morsel = jar.get(name)
+    return morsel.value if morsel is not None else ""
+
+
+def _as_json(data: Any, status: int = 200) -> tuple[int, bytes, str]:
+    return status, json.dumps(data, default=str).encode(), "application/json"
+
+
+def api_answer(dash: Dashboard, path: str, query: dict[str, list[str]]) -> tuple[int, bytes, str]:
+    """(status, body, content type) of an authorised /api/ request."""
+    try:
+        if path == "/api/state":
+            after = int((query.get("after") or ["0"])[0])
+            columns = max(10, min(400, int((query.get("columns") or ["80"])[0])))
+            return _as_json(dash.state(after, columns))
+        if path == "/api/hang":
+            text = read_report(dash.view.run_dir, (query.get("name") or [""])[0])
+            if text is None:
+                return _as_json({"error": "no such report"}, HTTPStatus.NOT_FOUND)
+            return 200, text.encode(), "text/plain; charset=utf-8"
+    except ValueError as exc:
+        return _as_json({"error": str(exc)}, HTTPStatus.BAD_REQUEST)
+    except Exception as exc:  # a damaged run-dir file: this refresh fails, the server serves on
+        return _as_json({"error": f"cannot read the run: {exc}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
+    return _as_json({"error": "not found"}, HTTPStatus.NOT_FOUND)
 
 
 class _Server(ThreadingHTTPServer):

@@ -132,11 +132,11 @@ class HangSettings:
         minutes = options.hang_detect_time or _env_minutes()
         if minutes is not None:
             fields["detect_time"] = minutes * 60.0
-        return cls(config=dataclasses.replace(HangConfig(), **fields), action=_action(options))
+        return cls(config=dataclasses.replace(HangConfig(), **fields), action=_action(getattr(options, "hang_action", None)))
 
 
-def _action(options: argparse.Namespace) -> str:
-    given_action = getattr(options, "hang_action", None)
+def _action(given_action: str | None) -> str:
+    """--hang-action, else $TRAINGUARD_HANG_ACTION, else restart."""
     if given_action:
         return given_action
     text = os.environ.get(HANG_ACTION_ENV, "").strip().lower()
