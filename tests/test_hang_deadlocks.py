@@ -34,7 +34,9 @@ USER = (Frame("thread_deadlock", "/job/train.py", 88), Frame("<module>", "/job/t
 
 
 def facts(main: Syscall, tasks: dict[int, Syscall], *fds: FdFact) -> WaitFacts:
-    return WaitFacts(10, main, fds=fds, threads=len(tasks), tasks=tasks)
+    """Facts of pid 10 whose threads (tid -> call) are ``tasks``, as probes.waits.wait_facts builds them."""
+    return WaitFacts(10, main, fds=fds, threads=len(tasks),
+                     locked=frozenset(t for t, c in tasks.items() if forever_futex(c)))  # fmt: skip
 
 
 def test_forever_futex_needs_private_and_no_timeout() -> None:
@@ -169,8 +171,8 @@ def test_probe_a_real_lock_order_deadlock_is_stuck_a_computing_holder_is_not() -
     busy = _start(COMPUTING)
     try:
         assert "wait on process-private locks" in (_until(lambda: stuck_reason(dead.pid, os.getpid())) or "")
-        calls = wait_facts(dead.pid).tasks
-        assert len(calls) == 2 and all(forever_futex(c) for c in calls.values())
+        f = wait_facts(dead.pid)
+        assert f.threads == 2 and len(f.locked) == 2 and dead.pid in f.locked
         # the holder computes: never stuck, however often it is looked at
         for _ in range(10):
             assert stuck_reason(busy.pid, os.getpid()) == ""

@@ -194,12 +194,6 @@ def classify_wait(facts: Any, frames: Sequence[FrameLike] = (), python_threads: 
                 syscall=call)  # fmt: skip
 
 
-def _forever(call: Any) -> bool:
-    """A wait on a process-private futex with no timeout (probes.waits.forever_futex)."""
-    a = getattr(call, "args", ())
-    return getattr(call, "name", "") == "futex" and len(a) >= 4 and (a[1] & 0x7F) in (0, 9) and bool(a[1] & 128) and a[3] == 0
-
-
 def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int, in_flight: str = "",
            python_tids: Sequence[int] = ()) -> Wait:  # fmt: skip
     """A lock or condition. From the rank's own code with no timeout and no other Python thread
@@ -219,9 +213,10 @@ def _futex(facts: Any, frames: Sequence[FrameLike], python_threads: int, in_flig
     if no_timeout and _innermost_user(frames) and python_threads == 1:
         return Wait("lock", True, what, "no timeout and no other Python thread could release it (re-acquiring its "
                     "own lock)", syscall="futex")  # fmt: skip
-    tasks = getattr(facts, "tasks", {}) or {}
-    if (len(python_tids) >= 2 and len(python_tids) == python_threads and _forever(facts.syscall)
-            and all(t in tasks and _forever(tasks[t]) for t in python_tids)):  # fmt: skip
+    # (the probe decodes the futex calls: probes.waits.forever_futex, per thread)
+    locked = getattr(facts, "locked", frozenset())
+    if (len(python_tids) >= 2 and len(python_tids) == python_threads and facts.pid in locked
+            and all(t in locked for t in python_tids)):  # fmt: skip
         return Wait("lock", True, what, f"all {len(python_tids)} Python threads wait on process-private locks with no "
                     "timeout: none is left running to release them (a lock-order deadlock)", syscall="futex")  # fmt: skip
     return Wait("lock", False, what + (f" ({python_threads} Python threads)" if python_threads else ""), syscall="futex")

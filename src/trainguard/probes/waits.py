@@ -498,7 +498,8 @@ class WaitFacts:
     lock_holders: tuple[ProcInfo, ...] = ()  # flock/fcntl: who holds the lock waited for
     lock_self: bool = False  # the lock waited for is held by this very process
     threads: int = 0  # kernel tasks of the process
-    tasks: dict[int, Syscall] = field(default_factory=dict)  # tid -> the call each of its threads is in
+    # its threads blocked on a process-private futex with no timeout (forever_futex): tid set
+    locked: frozenset[int] = frozenset()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -544,7 +545,8 @@ def wait_facts(pid: int, socks: dict[int, TcpSock] | None = None) -> WaitFacts:
         lock_self = any(lk.pid == pid for lk in held)
         holders = tuple(proc_info(lk.pid) for lk in held if lk.pid != pid)
     return WaitFacts(pid, call, read_wchan(pid), tuple(_resolve(pid, facts, links)), sleep_left(pid, call),
-                     kids, holders, lock_self, len(tasks), tasks)  # fmt: skip
+                     kids, holders, lock_self, len(tasks),
+                     frozenset(t for t, c in tasks.items() if forever_futex(c)))  # fmt: skip
 
 
 def _fd_fact(pid: int, fd: int, link: str, socks: dict[int, TcpSock] | None) -> FdFact:
