@@ -174,8 +174,11 @@ def test_several_agents_on_one_run_dir_each_write_their_own_event_database(tmp_p
 
     assert sorted(p.name for p in (run_dir / "events").iterdir() if p.suffix == ".db") == [f"{n}.db" for n in nodes]
     assert not (run_dir / "events.db").exists()
-    for n in nodes:  # each database holds its own node's events only
-        assert {e.node for e in events(run_dir / "events" / f"{n}.db")} == {n}
+    for n in nodes:  # each database holds the events its own node recorded only: an event about
+        # another node (the straggler leader names the slow node, which a loaded machine may make
+        # of any of the three) says who recorded it
+        recorded = {e.evidence.get("recorded_by", e.node) for e in events(run_dir / "events" / f"{n}.db")}
+        assert recorded == {n}
     merged = events(run_dir)
     assert [e.time for e in merged] == sorted(e.time for e in merged)
     assert sorted(e.node for e in events(run_dir, "job_succeeded")) == nodes
