@@ -4,6 +4,8 @@ the job goes on with 3 of 4 nodes; a user-code error on healthy nodes fails the 
 from __future__ import annotations
 
 import socket
+import subprocess
+import textwrap
 
 import pytest
 from tgtest import EXAMPLE, events, free_port, wait_for
@@ -85,3 +87,71 @@ def test_zerodivision_on_healthy_nodes_fails_the_job_without_restart(jobs, tmp_p
     assert not events(run, "restart")
     failed = events(run, "job_failed")
     assert len(failed) == 1 and "user code failed on healthy hardware" in failed[0].message
+
+
+@pytest.mark.slow
+def test_a_gpu_job_on_a_node_without_gpus_is_refused_by_the_precheck(jobs, tmp_path):
+    """--nproc-per-node gpu under the default --check-gpu auto: the node is refused with the seed's
+    line and exit 200 (not torch's usage error, not a skipped gpu-check)."""
+    run = tmp_path / "run"
+    job = jobs("run", "--standalone", "--nproc-per-node", "gpu", "--run-dir", run, EXAMPLE, "--steps", "2")
+    assert job.wait() == 200, job.output()
+    out = job.output()
+    assert "item gpu-check ... failed (GPUs were requested (--nproc-per-node gpu) but NVML sees none: " in out
+    assert "The node is down." in out and "Cuda is not available" not in out
+    (excluded,) = events(run, "node_excluded")
+    assert excluded.evidence["source"] == "precheck" and excluded.evidence["scenario"] == 1
+    assert not events(run, "job_started")
+
+
+# Attempt 0 fills the disk the pre-check watches, then dies (as a job writing checkpoints or a
+# dataset cache would fill it); a later attempt would succeed.
+FILL_THEN_DIE = textwrap.dedent("""
+    import os, signal, sys
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        with open(os.path.join(sys.argv[1], "fill"), "wb") as f:
+            f.write(bytes(1_500_000))
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], "trains", flush=True)
+""")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MB filesystem (needs root, as in the dev container); unmounted after the test."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M,mode=0700", "tmpfs", str(mnt)], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_disk_filled_during_training_fails_the_restarts_precheck(jobs, tmp_path, small_disk):
+    """The cheap pre-check items run again before the restart: the disk the first attempt filled
+    fails disk-size root, and the policy excludes the node with the item line."""
+    run = tmp_path / "run"
+    script = tmp_path / "fill_then_die.py"
+    script.write_text(FILL_THEN_DIE)
+    job = jobs(
+        "run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "2", "--run-dir", run,
+        "--check-root-dir", small_disk, "--check-disk-root-gb", "0.001", script, small_disk,
+    )  # fmt: skip
+    assert job.wait() == 200, job.output()
+    out = job.output()
+    assert "item disk-size root ... ok (2.1 MB free at" in out
+    assert "item disk-size root ... failed (0.6 MB free at" in out and "The node is down." in out
+    assert "trains" not in out  # no worker started after the disk filled
+    passed_, failed = events(run, "precheck_passed"), events(run, "precheck_failed")
+    assert len(passed_) == 1 and len(failed) == 1
+    assert failed[0].message.startswith("pre-check failed before attempt 1 (rechecked: disk-size root, disk-size shm, "
+                                        "disk-size cache, rdma, gpu-check): disk-size root: 0.6 MB free at")
+    assert len(events(run, "job_started")) == 1 and len(events(run, "restart")) == 1
+    (excluded,) = events(run, "node_excluded")
+    assert excluded.evidence["source"] == "precheck" and excluded.evidence["scenario"] == 2
+    assert "item disk-size root ... failed" in excluded.evidence["reason"]

@@ -217,6 +217,25 @@ def test_gpu_check_without_gpus_is_clean():
     assert nvml.unavailable_reason()
 
 
+def test_a_gpu_job_on_a_node_without_gpus_fails_gpu_check_by_default():
+    """Under the default --check-gpu auto, --nproc-per-node gpu asks for GPUs: a node where NVML sees
+    none fails the item (not "skipped"), through the function and through `trainguard check`."""
+    if nvml.available() and nvml.device_count():
+        pytest.skip("this machine has GPUs")
+    r = I.check_gpu(cfg(gpus_requested="--nproc-per-node gpu"), {})
+    assert r.status == I.FAILED, r.line()
+    assert r.detail.startswith("GPUs were requested (--nproc-per-node gpu) but NVML sees none: ")
+    assert I.check_gpu(cfg(gpus_requested="--nproc-per-node gpu", gpu_mode="off"), {}).status == I.SKIPPED
+    out = run_cli("--nproc-per-node", "gpu", "--skip", "ulimit")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "item gpu-check ... failed (GPUs were requested (--nproc-per-node gpu) but NVML sees none: " in out.stdout
+    assert "check failed: gpu-check" in out.stdout
+    plain = run_cli("--nproc-per-node", "2", "--skip", "ulimit")
+    assert "item gpu-check ... skipped" in plain.stdout  # a number of processes may be CPU workers
+    bad = run_cli("--nproc-per-node", "gpus")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
 def test_visible_gpus_follow_cuda_visible_devices():
     gpus = [nvml.GpuHealth(i, uuid=f"GPU-{i}aaa") for i in range(4)]
     assert I.visible_gpu_indices(gpus, {}) == [0, 1, 2, 3]

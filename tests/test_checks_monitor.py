@@ -14,6 +14,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from trainguard import policy
 from trainguard.agent.cli import make_parser
+from trainguard.checks import items as I
 from trainguard.checks.items import HardwareReport
 from trainguard.events import EventBus, EventStore
 from trainguard.monitors import checks as CM
@@ -109,12 +110,14 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
     assert sorted(e.node for e in kinds(tmp_path, "precheck_passed")) == ["node0", "node1", "node3"]
     # node_excluded itself is recorded by the agent when it carries the decision out (test_checks_e2e).
 
-    # Next round without node 2: no new pre-check runs (first round only), everyone starts.
+    # Next round without node 2: the cheap items run again (a disk may have filled), the rest stand.
     again = before_start_all(
         [monitors[i] for i in (0, 1, 3)], contexts(tmp_path, server, 3, opts[:3], round_no=1), opts[:3]
     )
     assert list(again.values()) == [None, None, None]
-    assert len(kinds(tmp_path, "precheck_passed")) == 3
+    passed_ = kinds(tmp_path, "precheck_passed")
+    assert len(passed_) == 6
+    assert [e.evidence["rechecked"] for e in passed_[3:]] == [list(I.RECHECKED_ITEMS)] * 3
 
 
 def test_failed_precheck_stops_a_job_that_is_not_elastic(tmp_path, server):
