@@ -278,6 +278,38 @@ def test_kernel_log_xid_parsing():
     assert real is None or all(isinstance(x, kernel_log.XidEvent) for x in real)
 
 
+# ------------------------------------------------------------------------------------- rdma
+
+
+def fake_ib_tree(root: Path, ports: dict[str, tuple[str, str]]) -> Path:
+    """A sysfs-like /sys/class/infiniband: {"mlx5_0/1": (state, phys_state)}."""
+    for name, (state, phys) in ports.items():
+        dev, port = name.split("/")
+        d = root / dev / "ports" / port
+        d.mkdir(parents=True)
+        (d / "state").write_text(state + "\n")
+        (d / "phys_state").write_text(phys + "\n")
+    return root
+
+
+def test_rdma_ports_up_pass_and_a_down_port_fails_named(tmp_path):
+    healthy = fake_ib_tree(tmp_path / "ok", {"mlx5_0/1": ("4: ACTIVE", "5: LinkUp"), "mlx5_1/1": ("4: ACTIVE", "5: LinkUp")})
+    r = I.check_rdma(cfg(ib_class_dir=str(healthy)))
+    assert r.status == I.OK and "2 RDMA port(s) ACTIVE and LinkUp: mlx5_0/1, mlx5_1/1" in r.detail
+    down = fake_ib_tree(tmp_path / "down", {"mlx5_0/1": ("4: ACTIVE", "5: LinkUp"), "mlx5_1/1": ("1: DOWN", "2: Polling"),
+                                            "mlx5_2/1": ("2: INIT", "5: LinkUp")})
+    r = I.check_rdma(cfg(ib_class_dir=str(down)))
+    assert r.status == I.FAILED, r.line()
+    assert "2 of 3 RDMA port(s) not up" in r.detail
+    assert "mlx5_1/1 state '1: DOWN', phys_state '2: Polling'" in r.detail and "mlx5_2/1 state '2: INIT'" in r.detail
+    assert "mlx5_0/1" not in r.detail and "ibstat" in r.fix
+    none = I.check_rdma(cfg(ib_class_dir=str(tmp_path / "absent")))
+    assert none.status == I.SKIPPED and "no RDMA device" in none.detail
+    out = run_cli("--ib-dir", str(down), "--skip", "ulimit")
+    assert out.returncode == 1 and "item rdma ... failed (2 of 3 RDMA port(s) not up: " in out.stdout
+    assert "item rdma ... ok" in run_cli("--ib-dir", str(healthy), "--ulimit", "never").stdout
+
+
 # --------------------------------------------------------------------------------- nccl-env
 
 

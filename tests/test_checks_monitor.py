@@ -120,6 +120,18 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
     assert [e.evidence["rechecked"] for e in passed_[3:]] == [list(I.RECHECKED_ITEMS)] * 3
 
 
+def test_an_rdma_port_down_is_a_hardware_fault_of_the_node(tmp_path, server):
+    """A down RDMA port fails the rdma item: seed scenario 1 (hardware), like gpu-check."""
+    port = tmp_path / "ib" / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
+    (port / "phys_state").write_text("3: Disabled\n")
+    opts = [options("--check-ib-dir", str(tmp_path / "ib"), "--check-ulimit", "never", "--health-check-interval", "0")]
+    got = before_start_all([monitor(opts[0])], contexts(tmp_path, server, 1, opts), opts)
+    assert got[0].action == Action.EXCLUDE_NODE and got[0].evidence["scenario"] == 1
+    assert "item rdma ... failed (1 of 1 RDMA port(s) not up: mlx5_0/1 state '1: DOWN'" in got[0].reason
+
+
 def test_failed_precheck_stops_a_job_that_is_not_elastic(tmp_path, server):
     common = ["--nnodes", "2", "--health-check-interval", "0"]
     opts = [options(*common), options(*common, "--check-disk-root-gb", "1e9")]
