@@ -55,6 +55,8 @@ from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.monitors.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
 from trainguard.options import given, non_negative, seconds
+from trainguard.probes import identity
+from trainguard.rundir import chaos_hold
 from trainguard.spawn.failures import lost_peer
 
 log = logging.getLogger(__name__)
@@ -220,6 +222,13 @@ def history_item(settings: HistorySettings, ctx: MonitorContext) -> ItemResult |
     return ItemResult(HISTORY_ITEM, OK, f"{n} hardware-class fault(s) of {ctx.node} in the window", data={"path": str(path)})
 
 
+def _record_bench(ctx: MonitorContext, pid: int) -> None:
+    """A node-check process started: who it is (``trainguard chaos nodecheck-kill`` verifies it
+    against this before it signals the pid)."""
+    ctx.events.emit("nodecheck_started", f"node-check process {pid} started",
+                    evidence={"pid": pid, "identity": identity.record({0: pid})})
+
+
 def _say(line: str) -> None:
     """Check lines go to the agent's stderr as they are (users grep them for ``item``)."""
     print(f"[trainguard] {line}", file=sys.stderr, flush=True)
@@ -335,7 +344,8 @@ class ChecksMonitor(Monitor):
         if ctx.store is None:
             log.warning("node check needs the rendezvous store; skipped")
             return None
-        cfg = dataclasses.replace(self.settings.node, env={**self.settings.node.env, **self._node_check_env})
+        cfg = dataclasses.replace(self.settings.node, env={**self.settings.node.env, **self._node_check_env},
+                                  hold_file=str(chaos_hold.nodecheck_hold_path(ctx.run_dir)))
         t0 = time.monotonic()
         current = fingerprint(ctx.node, cfg)
         reasons = self._gather_reasons(ctx, self._memory.reason_to_check(current))
@@ -348,7 +358,7 @@ class ChecksMonitor(Monitor):
         if ctx.node_rank in taking_part:
             checker = NodeChecker(
                 ctx.store, ctx.node_rank, ctx.nnodes, cfg, prefix=NODECHECK_PREFIX, say=_say, name=ctx.node,
-                nodes=taking_part,
+                nodes=taking_part, on_start=lambda pid: _record_bench(ctx, pid),
             )  # fmt: skip
             verdict = checker.run()
             metrics = checker.metrics
