@@ -207,3 +207,41 @@ def test_holder_stopped_while_it_starts_still_reverts(tmp_path):
     assert marker.exists()
     [ev] = events(tmp_path / "run", "chaos_reverted")
     assert ev.evidence["fault"] == "net-cut"
+
+
+def test_chaos_nodecheck_kill_acts_only_on_a_verified_nodecheck_process(tmp_path):
+    """nodecheck-kill signals the pid of the node's newest ``nodecheck_started`` only when it is
+    that process, on this machine, under the agent that recorded it; a holder kills the node-check
+    processes that agent starts later (its descendants running trainguard.checks.bench)."""
+    from trainguard.events import EventBus, EventStore
+    from trainguard.events.store import node_db_path
+    from trainguard.probes import identity
+
+    run = tmp_path / "run"
+    bench = [sys.executable, "-c", "import time; time.sleep(600)", "trainguard.checks.bench"]
+    first = subprocess.Popen(bench[:3], start_new_session=True)  # this test is its "agent"
+    later = None
+    store = EventStore(node_db_path(run, "n0"))
+    bus = EventBus(store, node="n0")
+    try:
+        forged = {**identity.record({0: first.pid}), "boot_id": "another-machine"}
+        bus.emit("nodecheck_started", "forged", evidence={"pid": first.pid, "identity": forged})
+        refused = chaos(run, "nodecheck-kill", "--node", "n0")
+        assert refused.returncode == 2 and "runs on another machine" in refused.stderr
+        assert first.poll() is None  # not signalled
+        bus.emit("nodecheck_started", "real", evidence={"pid": first.pid, "identity": identity.record({0: first.pid})})
+        done = chaos(run, "nodecheck-kill", "--node", "n0", "--duration", "120")
+        assert done.returncode == 0, done.stderr
+        assert first.wait(timeout=60) == -9
+        later = subprocess.Popen(bench, start_new_session=True)  # the agent's next check: killed by the holder
+        assert later.wait(timeout=120) == -9
+    finally:
+        for p in (first, later):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        store.close()
+    [injected] = events(run, "chaos_injected")
+    holder = injected.evidence["holder"]
+    psutil.Process(holder).terminate()  # this "agent" outlives the test's fault: end it early
+    wait_event(run, "chaos_reverted", pred=lambda e: e.evidence["fault"] == "nodecheck-kill")

@@ -217,6 +217,25 @@ def test_gpu_check_without_gpus_is_clean():
     assert nvml.unavailable_reason()
 
 
+def test_a_gpu_job_on_a_node_without_gpus_fails_gpu_check_by_default():
+    """Under the default --check-gpu auto, --nproc-per-node gpu asks for GPUs: a node where NVML sees
+    none fails the item (not "skipped"), through the function and through `trainguard check`."""
+    if nvml.available() and nvml.device_count():
+        pytest.skip("this machine has GPUs")
+    r = I.check_gpu(cfg(gpus_requested="--nproc-per-node gpu"), {})
+    assert r.status == I.FAILED, r.line()
+    assert r.detail.startswith("GPUs were requested (--nproc-per-node gpu) but NVML sees none: ")
+    assert I.check_gpu(cfg(gpus_requested="--nproc-per-node gpu", gpu_mode="off"), {}).status == I.SKIPPED
+    out = run_cli("--nproc-per-node", "gpu", "--skip", "ulimit")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "item gpu-check ... failed (GPUs were requested (--nproc-per-node gpu) but NVML sees none: " in out.stdout
+    assert "check failed: gpu-check" in out.stdout
+    plain = run_cli("--nproc-per-node", "2", "--skip", "ulimit")
+    assert "item gpu-check ... skipped" in plain.stdout  # a number of processes may be CPU workers
+    bad = run_cli("--nproc-per-node", "gpus")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
 def test_visible_gpus_follow_cuda_visible_devices():
     gpus = [nvml.GpuHealth(i, uuid=f"GPU-{i}aaa") for i in range(4)]
     assert I.visible_gpu_indices(gpus, {}) == [0, 1, 2, 3]
@@ -257,6 +276,38 @@ def test_kernel_log_xid_parsing():
     assert kernel_log.read_xids("/no/such/kmsg") is None
     real = kernel_log.read_xids()  # this machine's kernel log: readable or not, never raises
     assert real is None or all(isinstance(x, kernel_log.XidEvent) for x in real)
+
+
+# ------------------------------------------------------------------------------------- rdma
+
+
+def fake_ib_tree(root: Path, ports: dict[str, tuple[str, str]]) -> Path:
+    """A sysfs-like /sys/class/infiniband: {"mlx5_0/1": (state, phys_state)}."""
+    for name, (state, phys) in ports.items():
+        dev, port = name.split("/")
+        d = root / dev / "ports" / port
+        d.mkdir(parents=True)
+        (d / "state").write_text(state + "\n")
+        (d / "phys_state").write_text(phys + "\n")
+    return root
+
+
+def test_rdma_ports_up_pass_and_a_down_port_fails_named(tmp_path):
+    healthy = fake_ib_tree(tmp_path / "ok", {"mlx5_0/1": ("4: ACTIVE", "5: LinkUp"), "mlx5_1/1": ("4: ACTIVE", "5: LinkUp")})
+    r = I.check_rdma(cfg(ib_class_dir=str(healthy)))
+    assert r.status == I.OK and "2 RDMA port(s) ACTIVE and LinkUp: mlx5_0/1, mlx5_1/1" in r.detail
+    down = fake_ib_tree(tmp_path / "down", {"mlx5_0/1": ("4: ACTIVE", "5: LinkUp"), "mlx5_1/1": ("1: DOWN", "2: Polling"),
+                                            "mlx5_2/1": ("2: INIT", "5: LinkUp")})
+    r = I.check_rdma(cfg(ib_class_dir=str(down)))
+    assert r.status == I.FAILED, r.line()
+    assert "2 of 3 RDMA port(s) not up" in r.detail
+    assert "mlx5_1/1 state '1: DOWN', phys_state '2: Polling'" in r.detail and "mlx5_2/1 state '2: INIT'" in r.detail
+    assert "mlx5_0/1" not in r.detail and "ibstat" in r.fix
+    none = I.check_rdma(cfg(ib_class_dir=str(tmp_path / "absent")))
+    assert none.status == I.SKIPPED and "no RDMA device" in none.detail
+    out = run_cli("--ib-dir", str(down), "--skip", "ulimit")
+    assert out.returncode == 1 and "item rdma ... failed (2 of 3 RDMA port(s) not up: " in out.stdout
+    assert "item rdma ... ok" in run_cli("--ib-dir", str(healthy), "--ulimit", "never").stdout
 
 
 # --------------------------------------------------------------------------------- nccl-env

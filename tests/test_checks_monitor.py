@@ -14,6 +14,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from trainguard import policy
 from trainguard.agent.cli import make_parser
+from trainguard.checks import items as I
 from trainguard.checks.items import HardwareReport
 from trainguard.events import EventBus, EventStore
 from trainguard.monitors import checks as CM
@@ -109,12 +110,26 @@ def test_failed_precheck_excludes_that_node_and_the_rest_go_on(tmp_path, server)
     assert sorted(e.node for e in kinds(tmp_path, "precheck_passed")) == ["node0", "node1", "node3"]
     # node_excluded itself is recorded by the agent when it carries the decision out (test_checks_e2e).
 
-    # Next round without node 2: no new pre-check runs (first round only), everyone starts.
+    # Next round without node 2: the cheap items run again (a disk may have filled), the rest stand.
     again = before_start_all(
         [monitors[i] for i in (0, 1, 3)], contexts(tmp_path, server, 3, opts[:3], round_no=1), opts[:3]
     )
     assert list(again.values()) == [None, None, None]
-    assert len(kinds(tmp_path, "precheck_passed")) == 3
+    passed_ = kinds(tmp_path, "precheck_passed")
+    assert len(passed_) == 6
+    assert [e.evidence["rechecked"] for e in passed_[3:]] == [list(I.RECHECKED_ITEMS)] * 3
+
+
+def test_an_rdma_port_down_is_a_hardware_fault_of_the_node(tmp_path, server):
+    """A down RDMA port fails the rdma item: seed scenario 1 (hardware), like gpu-check."""
+    port = tmp_path / "ib" / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
+    (port / "phys_state").write_text("3: Disabled\n")
+    opts = [options("--check-ib-dir", str(tmp_path / "ib"), "--check-ulimit", "never", "--health-check-interval", "0")]
+    got = before_start_all([monitor(opts[0])], contexts(tmp_path, server, 1, opts), opts)
+    assert got[0].action == Action.EXCLUDE_NODE and got[0].evidence["scenario"] == 1
+    assert "item rdma ... failed (1 of 1 RDMA port(s) not up: mlx5_0/1 state '1: DOWN'" in got[0].reason
 
 
 def test_failed_precheck_stops_a_job_that_is_not_elastic(tmp_path, server):

@@ -126,3 +126,48 @@ def test_event_json_shape():
         "kind": "k", "message": "m", "severity": "critical", "node": "n", "rank": 3, "evidence": {"a": 1}, "time": 1.5, "id": None
     }
     assert Event.from_dict(e.to_dict()) == e
+
+
+def _excluded(bus: EventBus, d) -> None:
+    """A node_excluded event as the agent records one when it carries out an exclusion (agent/launch.py)."""
+    bus.emit("node_excluded", d.exit_message or d.reason, severity="error", rank=d.rank,
+             evidence={"reason": d.reason, "source": d.source, **d.evidence})
+
+
+def test_hardware_reschedules_count_hardware_faults_only(tmp_path):
+    """seed 003's "reschedules caused by hardware problems": a GPU fault, a failed node check, a
+    hardware item of the pre-check and a lost node count; a full disk, a dns failure and a straggler
+    do not. Every node writes its own event database; `trainguard status` folds them."""
+    from trainguard import policy
+    from trainguard.events.store import node_db_path
+    from trainguard.evidence import CheckOutcome, HardwareFault, NodeLost
+
+    run = tmp_path / "run"
+    buses = {}
+
+    def bus(node: str) -> EventBus:
+        if node not in buses:
+            buses[node] = EventBus(EventStore(node_db_path(run, node)), node=node)
+        return buses[node]
+
+    def before_start(node: str, outcome: CheckOutcome, **kw) -> None:
+        _excluded(bus(node), policy.decide_before_start(outcome, 0, 8, 1, **kw))
+
+    before_start("disk", CheckOutcome("precheck", {0: "pre-check failed: item disk-size root ... failed (0.6 MB free at /)"}))
+    before_start("dns", CheckOutcome("precheck", {0: "pre-check failed: item dns ... failed (1 of 1 name(s) do not resolve: x)"}))
+    before_start("slow", CheckOutcome("node_check", stragglers={0: "3.0x the median"}), exclude_stragglers=True)
+    before_start("gpu", CheckOutcome("precheck", {0: "pre-check failed: item gpu-check ... failed (Xid 79)"},
+                                     hardware_faulty=frozenset({0})))
+    before_start("nic", CheckOutcome("node_check", {0: "all-reduce timed out"}))
+    _excluded(bus("ecc"), policy.decide_on_hardware_fault(HardwareFault(["uncorrectable ECC error on GPU 3"], "ecc", 0), 8, 1))
+    lost = NodeLost({"gone": "no heartbeat for 30.0 s"}, [], 30.0)
+    for survivor in ("a", "b"):  # every survivor reports the same lost node: one reschedule
+        bus(survivor).emit("node_lost", lost.message, severity="error", evidence=lost.to_dict())
+    for b in buses.values():
+        b.store.close()
+    out = subprocess.run(trainguard_cmd("status", run, "--once"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "reschedules for hardware faults 4," in out.stdout, out.stdout
+    snap = json.loads(subprocess.run(trainguard_cmd("status", run, "--json"), capture_output=True, text=True,
+                                     timeout=120, check=True).stdout)
+    assert snap["hardware_reschedules"] == 4

@@ -48,6 +48,30 @@ def test_local_simulation_names_the_slow_node_straggler(jobs):
     assert any(1 in g and 0 not in g for g in groups)
 
 
+@pytest.mark.slow
+def test_several_check_processes_per_node_measure_across_every_process(jobs):
+    """The node check runs one process per GPU; on the CPU --procs N runs N gloo processes per node:
+    the collectives span every process of the group's nodes, the GEMM runs in each, and each node
+    reports its slowest process. A node whose processes die is found faulty."""
+    job = jobs("nodecheck", "--local", "3", "--procs", "2", "--chaos", "2=fail", "--json")
+    code = job.wait()
+    out = job.output()
+    data = json.loads(out[out.index("{") :])
+    assert code == 1, out
+    assert list(data["faulty"]) == ["2"] and "check process exit 17" in data["faulty"]["2"], data
+    measured = [m for runs in data["measurements"].values() for m in runs]
+    assert measured and {m["procs"] for m in measured} == {2}
+    for m in measured:
+        assert m["world_size"] == 2 * len(m["group"])  # every process of every node of the group
+        ranks = sorted(p["rank"] for p in m["per_process"])
+        assert len(ranks) == 2 and len(m["gemm_s_per_device"]) == 2
+        assert m["gemm_s"] == max(m["gemm_s_per_device"])
+        assert m["allreduce_s"] == max(p["allreduce_s"] for p in m["per_process"])
+    # node 0 and node 1 measured together: their ranks are 0-1 and 2-3 of a world of 4
+    pair = [next(m for m in data["measurements"][n] if sorted(m["group"]) == [0, 1]) for n in ("0", "1")]
+    assert sorted(p["rank"] for m in pair for p in m["per_process"]) == [0, 1, 2, 3]
+
+
 def test_usage_errors_exit_2(jobs):
     assert jobs("nodecheck", "--local", "2", "--chaos", "5=fail").wait() == 2
     assert jobs("nodecheck", "--chaos", "0=fail").wait() == 2

@@ -1,4 +1,5 @@
-"""The part of a chaos injection that lasts: a CPU load, a filled disk, a network fault, a held rank — held
+"""The part of a chaos injection that lasts: a CPU load, a filled disk, a network fault, a held rank, a
+node whose node-check processes die — held
 for a bounded time in a detached process, then reverted (``chaos_reverted`` event).
 
 Run as ``python -m trainguard.chaos.background SPEC_JSON``; ``start`` does that. Every loop is
@@ -85,6 +86,27 @@ def fill_disk(path: Path, size: int, leave: int, until: float) -> int:
     return written
 
 
+def kill_nodechecks(agent: int, agent_created: float, until: float) -> int:
+    """SIGKILL every node-check process the agent starts, until ``until`` or the agent ends; how many."""
+    import psutil
+
+    from trainguard.chaos.targets import nodecheck_processes
+
+    killed: set[int] = set()
+    while time.monotonic() < until:
+        try:
+            if abs(psutil.Process(agent).create_time() - agent_created) > 0.05:
+                break  # the pid is another process now
+        except psutil.Error:
+            break  # the agent ended: nothing more to kill
+        for pid in nodecheck_processes(agent):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # each leads its own session
+                killed.add(pid)
+        time.sleep(0.1)
+    return len(killed)
+
+
 def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, capture_output=True, timeout=30, check=False)
 
@@ -103,6 +125,8 @@ def main(spec: dict[str, Any]) -> None:
             elif fault == "hang":  # the agent holds the rank while the request is there
                 while time.monotonic() < until and hold.request_path(Path(spec["run_dir"]), spec["rank"]).exists():
                     time.sleep(min(0.5, max(0.0, until - time.monotonic())))
+            elif fault == "nodecheck-kill":
+                detail = f"{kill_nodechecks(int(spec['agent']), float(spec['agent_created']), until)} node-check process(es) killed"
             elif fault == "fill-disk":
                 detail = f"{fill_disk(Path(spec['file']), int(spec['size']), int(spec['leave']), until)} bytes written"
             else:  # network faults: the change is made already, hold it

@@ -10,7 +10,9 @@ wait in theirs; released after --duration s if given, else held until the job re
 needs trainguard's worker hooks, rundir/chaos_hold.py), and for nodes in their own network namespace (test beds, chaos/testbed.py) net-cut
 (link down), net-delay (tc netem; kernels without the netem qdisc get a clear error), net-loss
 (tc netem, else a random-drop iptables rule: the same loss of outgoing packets), net-slow (a tc
-tbf token bucket: a thin link at --rate-kbit, slow but not cut).
+tbf token bucket: a thin link at --rate-kbit, slow but not cut), nodecheck-kill (SIGKILL the
+node-check process of --node, seed 004's faulty-machine drill; RUN_DIR/chaos/nodecheck-hold
+holds the checks before they measure, rundir/chaos_hold.py).
 Lasting faults are held by a detached process and reverted after --duration (bounded).
 Every injection is recorded as a ``chaos_injected`` event on the target node, so reports join
 cause and verdict.
@@ -19,6 +21,7 @@ cause and verdict.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -35,7 +38,7 @@ from typing import Any
 import psutil
 
 from trainguard.chaos import background, event_db
-from trainguard.chaos.targets import Target, TargetError, resolve
+from trainguard.chaos.targets import Target, TargetError, nodecheck_target, resolve
 from trainguard.events import EventBus, EventStore
 from trainguard.exitcodes import EXIT_USAGE
 from trainguard.options import non_negative, positive, seconds
@@ -43,7 +46,7 @@ from trainguard.rundir import chaos_hold as hold
 from trainguard.rundir.readers import NotARunDir, check_run_dir
 
 FAULTS = ["kill", "stop", "cont", "slow", "hang", "fill-disk", "corrupt-ckpt", "net-cut", "net-delay", "net-loss",
-          "net-slow"]  # fmt: skip
+          "net-slow", "nodecheck-kill"]  # fmt: skip
 
 
 DEFAULT_DURATION_S = 30.0
@@ -238,16 +241,42 @@ def _log(run_dir: Path, spec: dict[str, Any]) -> Path:
 
 
 def inject(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, Any]]:
+    if args.fault == "nodecheck-kill":  # before the workers start: no job_started names them yet
+        return _nodecheck_kill(run_dir, args)
     t = resolve(run_dir, rank=args.rank, node=args.node)
     return t, inject_into(t, run_dir, args)
+
+
+def _nodecheck_kill(run_dir: Path, args: argparse.Namespace) -> tuple[Target, dict[str, Any]]:
+    """SIGKILL the node's node-check process now, and every one its agent starts for --duration
+    seconds (a detached holder): the node fails each test of the check, as a faulty machine would,
+    not only the first (the check pairs a failed node again with a healthy one)."""
+    if args.node is None:
+        raise ChaosError("nodecheck-kill needs --node")
+    t = nodecheck_target(run_dir, args.node)
+    spec = _spec(args, run_dir, t.node)
+    killed = None
+    if t.pid is not None:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: the holder takes the next
+            os.killpg(t.pid, signal.SIGKILL)  # it leads its own session (nodecheck_run: start_new_session)
+            killed = t.pid
+    spec.update(agent=t.agent, agent_created=t.agent_created)
+    holder = background.start(spec, _log(run_dir, spec))
+    return Target(t.node, None, {}, t.agent), {"signal": "SIGKILL", "what": "node-check process", "pid": killed,
+                                              "holder": holder, "duration": spec["duration"]}  # fmt: skip
+
+
+def _spec(args: argparse.Namespace, run_dir: Path, node: str) -> dict[str, Any]:
+    """What the detached holder of a lasting fault is told."""
+    return {"id": f"{int(time.time())}-{secrets.token_hex(3)}", "fault": args.fault, "run_dir": str(run_dir),
+            "node": node, "duration": min(args.duration or DEFAULT_DURATION_S, background.MAX_DURATION_S)}  # fmt: skip
 
 
 def inject_into(t: Target, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Inject ``args.fault`` into a target already found (bench/soak.py finds torchrun's workers
     itself: a torchrun job has no run dir to resolve them from); its details."""
     fault = args.fault
-    spec = {"id": f"{int(time.time())}-{secrets.token_hex(3)}", "fault": fault, "run_dir": str(run_dir),
-            "node": t.node, "duration": min(args.duration or DEFAULT_DURATION_S, background.MAX_DURATION_S)}  # fmt: skip
+    spec = _spec(args, run_dir, t.node)
     if fault == "kill":
         return _kill(t, args.what or ("worker" if t.rank is not None else "node"))
     if fault in ("stop", "cont"):

@@ -65,3 +65,45 @@ def resolve(run_dir: Path, *, rank: int | None = None, node: str | None = None) 
     agent = state.identity.get("agent_pid")
     workers = {rank: pids[rank]} if rank is not None else pids
     return Target(state.node, rank, workers, agent if isinstance(agent, int) else None)
+
+
+@dataclass(frozen=True)
+class NodeCheckTarget:
+    """A node's agent that runs the node check, verified on this machine, and its node-check
+    process still running (None when the newest one ended)."""
+
+    node: str
+    agent: int
+    agent_created: float
+    pid: int | None
+
+
+def nodecheck_target(run_dir: Path, node: str) -> NodeCheckTarget:
+    """From ``node``'s newest ``nodecheck_started`` event, checked like a worker: on this machine,
+    the agent that recorded it still running, the process started at the recorded moment under it."""
+    started = [e for e in read_events(run_dir) if e.kind == "nodecheck_started" and e.node == node]
+    if not started:
+        raise TargetError(f"node {node!r} has started no node-check process in {run_dir} (is --node-check on?)")
+    ev = started[-1].evidence
+    ident, pid = ev.get("identity"), ev.get("pid")
+    why = identity.why_not(ident, {})
+    if why is not None:
+        raise TargetError(f"node {node}'s node check cannot be acted on from here: {why}")
+    running = pid if isinstance(pid, int) and identity.why_not(ident, {0: pid}) is None else None
+    return NodeCheckTarget(node, int(ident["agent_pid"]), float(ident["agent_created"]), running)
+
+
+def nodecheck_processes(agent: int) -> list[int]:
+    """The node-check processes the agent runs now: its descendants running the benchmark module."""
+    try:
+        kids = psutil.Process(agent).children(recursive=True)
+    except psutil.Error:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if "trainguard.checks.bench" in k.cmdline():
+                out.append(k.pid)
+        except psutil.Error:
+            continue
+    return out

@@ -1,7 +1,11 @@
-"""The node-check benchmark: one process per node, joined with its partner(s) in a process group.
+"""The node-check benchmark: one process per GPU of a node (one per node on the CPU, or
+``--local-world-size`` gloo processes), joined with its group's in one process group.
 
-Run as ``python -m trainguard.checks.bench --store-host H --store-port P --rank R --world-size W``.
-It times a GEMM, an all-reduce and an all-gather and prints one JSON line (``NODECHECK {...}``).
+Run as ``python -m trainguard.checks.bench --store-host H --store-port P --rank R --world-size W
+--local-rank L``: R and W count processes across the group's nodes; the process uses GPU L. It
+times a GEMM on its GPU, an all-reduce and an all-gather across every process (every GPU of the
+group's nodes) and prints one JSON line (``NODECHECK {...}``); the node's coordinator
+(``nodecheck_run``) takes the slowest of its processes as the node's times.
 
 Units (nccl-tests definitions; DLRover once added milliseconds per matmul to the total seconds of
 20 all-reduces and reported 51 GB/s where about 1 GB/s was real — here every time is the median
@@ -15,6 +19,8 @@ seconds of ONE operation and every bandwidth is bytes / that time):
 Fault injection (for tests and drills only; never set in production):
 ``TRAINGUARD_CHAOS_NODECHECK=fail`` makes this process die right after joining the group (as if the
 node broke); ``slow:<factor>`` makes every timed operation take about <factor> times longer.
+``--hold-file PATH``: while PATH exists, wait with the group up before measuring (at most
+``--timeout``), so that a drill can aim at this process (``trainguard chaos nodecheck-kill``).
 """
 
 from __future__ import annotations
@@ -87,8 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if use_cuda:
-        torch.cuda.set_device(0)
-        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(args.local_rank)
+        dev = torch.device("cuda", args.local_rank)
 
         def sync() -> None:
             torch.cuda.synchronize(dev)
@@ -112,8 +118,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if mode == "fail":
         print(f"chaos: {CHAOS_ENV}=fail, the check process dies now", file=sys.stderr, flush=True)
         os._exit(CHAOS_EXIT_CODE)
+    if args.hold_file:
+        _held(args.hold_file, args.timeout)
     world = args.world_size
-    out: dict[str, Any] = {"backend": backend, "device": str(dev), "world_size": world}
+    out: dict[str, Any] = {"backend": backend, "device": str(dev), "world_size": world, "rank": args.rank,
+                           "local_rank": args.local_rank}
     if args.sync:
         # Torch is imported and the group is up: wait until every group of the wave is, so that
         # no pair measures while another one still starts (start-up noise would look like a
@@ -121,35 +130,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(READY_LINE, flush=True)
         sys.stdin.readline()
 
-    out.update(_gemm(args, use_cuda, dev, factor))
+    out.update(_gemm(args, dev, factor))
     out.update(_collectives(args, dev, sync, world, factor))
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-def _gemm(args: argparse.Namespace, use_cuda: bool, dev: Any, factor: float) -> dict[str, Any]:
-    """GEMM timings on every GPU of the node (a node is as slow as its slowest GPU), else on the CPU."""
+def _held(path: str, limit_s: float) -> None:
+    """Wait while ``path`` exists (a drill's hold), at most ``limit_s`` seconds."""
+    end = time.monotonic() + limit_s
+    while os.path.lexists(path) and time.monotonic() < end:
+        time.sleep(0.1)
+
+
+def _gemm(args: argparse.Namespace, dev: Any, factor: float) -> dict[str, Any]:
+    """GEMM timing on this process's device (its GPU, or the CPU)."""
     import torch
 
+    use_cuda = dev.type == "cuda"
     n = args.gemm_n or (4096 if use_cuda else 256)
-    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if use_cuda else [dev]
-    per_device = []
-    for d in devices:
-        dtype = torch.float16 if d.type == "cuda" else torch.float32
-        a = torch.randn(n, n, device=d, dtype=dtype)
-        b = torch.randn(n, n, device=d, dtype=dtype)
+    dtype = torch.float16 if use_cuda else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
 
-        def do_gemm(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
-            torch.matmul(a, b)
+    def sync() -> None:
+        if use_cuda:
+            torch.cuda.synchronize(dev)
 
-        def sync_d(d: torch.device = d) -> None:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
-
-        per_device.append(_time_ops(do_gemm, sync_d, args.warmup, args.iters, factor))
-    gemm_s = max(per_device)
-    return {"gemm_n": n, "gemm_s": gemm_s, "gemm_s_per_device": per_device, "gemm_tflops": 2 * n**3 / gemm_s / 1e12}
+    gemm_s = _time_ops(lambda: torch.matmul(a, b), sync, args.warmup, args.iters, factor)
+    return {"gemm_n": n, "gemm_s": gemm_s, "gemm_tflops": 2 * n**3 / gemm_s / 1e12}
 
 
 def _collectives(args: argparse.Namespace, dev: Any, sync: Any, world: int, factor: float) -> dict[str, Any]:
@@ -185,6 +195,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--local-rank", type=int, default=0, help="this process's GPU on its node")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--gemm-n", type=int, default=0, help="matrix size (0: 4096 on GPU, 256 on CPU)")
@@ -195,6 +206,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the CPU GEMM")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for store and collectives")
+    p.add_argument("--hold-file", default=None, help="wait while this file exists before measuring (drills)")
     p.add_argument("--sync", action="store_true", help="print NODECHECK_READY, then wait for a line on stdin")
     return p
 

@@ -25,7 +25,8 @@ from trainguard.options import (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = CheckConfig()
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--nproc-per-node", type=positive_int, default=None, help="GPUs the job will use on this node")
+    p.add_argument("--nproc-per-node", type=nproc_or_gpu, default=None,
+                   help="GPUs the job will use on this node; 'gpu' (torchrun's: one per GPU) fails gpu-check without GPUs")  # fmt: skip
     p.add_argument("--gpu", choices=["auto", "require", "off"], default=None,
                    help=f"auto: check GPUs when present; require: fail without them (default {d.gpu_mode})")  # fmt: skip
     p.add_argument("--hostfile", action="append", default=None, metavar="GLOB",
@@ -41,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"free GB needed (> GB, default {d.root_min_gb:g})")  # fmt: skip
     p.add_argument("--check-disk-shm-gb", type=non_negative, default=None, metavar="GB", help=f"(default {d.shm_min_gb:g})")
     p.add_argument("--check-disk-cache-gb", type=non_negative, default=None, metavar="GB", help=f"(default {d.cache_min_gb:g})")
+    p.add_argument("--ib-dir", type=dir_path, default=None,
+                   help=f"sysfs class directory of the RDMA devices read by rdma and ulimit (default {d.ib_class_dir})")  # fmt: skip
     p.add_argument("--ulimit", choices=["auto", "always", "never"], default=None,
                    help=f"auto: check limits only with an InfiniBand device (seed) (default {d.ulimit_mode})")  # fmt: skip
     p.add_argument("--ulimit-memlock-kb", type=non_negative_int, default=None, help=f"(default {d.ulimit_memlock_kb})")
@@ -69,15 +72,26 @@ _OPTIONS = {
     "ulimit_stack_kb": "ulimit_stack_kb",
     "ulimit_nproc": "ulimit_nproc",
     "gpu_mode": "gpu",
-    "nproc_per_node": "nproc_per_node",
+    "ib_class_dir": "ib_dir",
     "master_addr": "master_addr",
     "master_port": "master_port",
     "hostfile_globs": "hostfile",
 }
 
 
+def nproc_or_gpu(text: str) -> int | str:
+    """An argparse ``type``: a number of processes (>= 1) or torchrun's ``gpu`` (one per GPU)."""
+    return "gpu" if text.strip() == "gpu" else positive_int(text)
+
+
+nproc_or_gpu.__name__ = "nproc"
+
+
 def config_from(args: argparse.Namespace) -> CheckConfig:
+    nproc = args.nproc_per_node
     return CheckConfig(
+        nproc_per_node=nproc if isinstance(nproc, int) else None,
+        gpus_requested="--nproc-per-node gpu" if nproc == "gpu" else "",
         endpoints=[e for e in (args.rdzv_endpoint, args.master_addr) if e],
         require_cuda_toolkit=args.require_cuda_toolkit,
         skip=set(args.skip),

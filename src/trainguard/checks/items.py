@@ -80,6 +80,8 @@ class CheckConfig:
     # gpu-check: "auto" (check GPUs when present), "require" (fail without them), "off"
     gpu_mode: str = "auto"
     nproc_per_node: int | None = None
+    # why the job is known to use GPUs ("--nproc-per-node gpu"): then "auto" fails a node without them
+    gpus_requested: str = ""
     xid_window_s: float = 24 * 3600.0
     # master-port: checked only when a port is given and the address is this machine
     master_addr: str | None = None
@@ -286,15 +288,16 @@ def visible_gpu_indices(all_health: list[nvml.GpuHealth], env: Mapping[str, str]
 def check_gpu(cfg: CheckConfig, env: Mapping[str, str]) -> ItemResult:
     if cfg.gpu_mode == "off":
         return ItemResult("gpu-check", SKIPPED, "switched off")
-    required = cfg.gpu_mode == "require"
+    required = cfg.gpu_mode == "require" or bool(cfg.gpus_requested)
     health = nvml.health()
     if not health:
         why = nvml.unavailable_reason() or "NVML reports 0 GPUs"
         if required:
+            asked = cfg.gpus_requested or "--check-gpu require"
             return ItemResult(
                 "gpu-check",
                 FAILED,
-                f"GPUs were requested but none is visible ({why})",
+                f"GPUs were requested ({asked}) but NVML sees none: {why}",
                 fix="run nvidia-smi; check the driver, the container's GPU runtime (--gpus / device plugin)",
             )
         return ItemResult(
@@ -330,6 +333,53 @@ def check_gpu(cfg: CheckConfig, env: Mapping[str, str]) -> ItemResult:
     return ItemResult(
         "gpu-check", OK, f"{len(visible)} GPU(s) visible, no ECC/retired-page/Xid faults{xid_note}", data=data
     )
+
+
+# ---------------------------------------------------------------------------------------- rdma
+
+PORT_ACTIVE, PORT_LINK_UP = "4: ACTIVE", "5: LinkUp"  # what sysfs shows for a port that carries traffic
+SYSFS_READ_LIMIT = 256  # bytes of one sysfs attribute
+
+
+def _sysfs_value(path: str) -> str:
+    """One sysfs attribute, stripped; "unreadable: ..." when it cannot be read (never blocks)."""
+    try:
+        with runfiles.open_read(path) as f:
+            return f.read(SYSFS_READ_LIMIT).decode("ascii", "replace").strip()
+    except (OSError, runfiles.UnsafeFile) as exc:
+        return f"unreadable: {exc}"
+
+
+def rdma_ports(class_dir: str) -> dict[str, tuple[str, str]]:
+    """"device/port" -> (state, phys_state) of every InfiniBand/RoCE port under ``class_dir``."""
+    ports: dict[str, tuple[str, str]] = {}
+    for dev in ib_devices(class_dir):
+        port_dir = os.path.join(class_dir, dev, "ports")
+        try:
+            numbers = sorted(os.listdir(port_dir), key=lambda p: (len(p), p))
+        except OSError:
+            continue
+        for port in numbers:
+            base = os.path.join(port_dir, port)
+            ports[f"{dev}/{port}"] = (_sysfs_value(os.path.join(base, "state")), _sysfs_value(os.path.join(base, "phys_state")))
+    return ports
+
+
+def check_rdma(cfg: CheckConfig) -> ItemResult:
+    """Every RDMA port is up: logical state ACTIVE and physical state LinkUp (a port in INIT or
+    Polling has no link or no subnet manager; NCCL would fall back to sockets or fail)."""
+    ports = rdma_ports(cfg.ib_class_dir)
+    if not ports:
+        return ItemResult("rdma", SKIPPED, f"no RDMA device with ports under {cfg.ib_class_dir}")
+    data = {"ports": {p: {"state": s, "phys_state": ph} for p, (s, ph) in ports.items()}, "class_dir": cfg.ib_class_dir}
+    down = [f"{p} state {s!r}, phys_state {ph!r}" for p, (s, ph) in ports.items() if s != PORT_ACTIVE or ph != PORT_LINK_UP]
+    if down:
+        return ItemResult(
+            "rdma", FAILED, f"{len(down)} of {len(ports)} RDMA port(s) not up: " + "; ".join(down[:8]),
+            fix="check the cable and the switch port (ibstat, ibv_devinfo), and that a subnet manager runs",
+            data=data,
+        )
+    return ItemResult("rdma", OK, f"{len(ports)} RDMA port(s) ACTIVE and LinkUp: {', '.join(ports)}", data=data)
 
 
 # ------------------------------------------------------------------------------------ nccl-env
@@ -520,6 +570,7 @@ ITEM_NAMES = [
     "disk-size shm",
     "disk-size cache",
     "ulimit",
+    "rdma",
     "gpu-check",
     "nccl-env",
     "master-port",
@@ -542,6 +593,7 @@ def _items(cfg: CheckConfig, env: Mapping[str, str]) -> list[tuple[str, Callable
             ),
         ),
         ("ulimit", lambda: check_ulimit(cfg)),
+        ("rdma", lambda: check_rdma(cfg)),
         ("gpu-check", lambda: check_gpu(cfg, env)),
         ("nccl-env", lambda: check_nccl_env(cfg, env)),
         ("master-port", lambda: check_master_port(cfg)),
@@ -549,16 +601,26 @@ def _items(cfg: CheckConfig, env: Mapping[str, str]) -> list[tuple[str, Callable
     ]
 
 
-def _skipped(name: str, skip: set[str]) -> bool:
+def is_skipped(name: str, skip: set[str]) -> bool:
     return name in skip or name.split()[0] in skip or name.replace(" ", "-") in skip
 
 
-def run_checks(cfg: CheckConfig, env: Mapping[str, str] | None = None) -> list[ItemResult]:
-    """Run every item in order. A bug in an item never fails the node: it becomes a warning."""
+# Items cheap enough, and about state that changes while a job trains (a disk or /dev/shm fills, a
+# GPU or a port goes down), to run again before every restart of the workers.
+RECHECKED_ITEMS = ("disk-size root", "disk-size shm", "disk-size cache", "rdma", "gpu-check")
+
+
+def run_checks(
+    cfg: CheckConfig, env: Mapping[str, str] | None = None, only: tuple[str, ...] | None = None
+) -> list[ItemResult]:
+    """Run every item (or those named in ``only``) in order. A bug in an item never fails the
+    node: it becomes a warning."""
     env = os.environ if env is None else env
     results = []
     for name, fn in _items(cfg, env):
-        if _skipped(name, cfg.skip):
+        if only is not None and name not in only:
+            continue
+        if is_skipped(name, cfg.skip):
             results.append(ItemResult(name, SKIPPED, "left out (--check-skip)"))
             continue
         t0 = time.perf_counter()

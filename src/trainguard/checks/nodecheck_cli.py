@@ -58,6 +58,9 @@ def add_check_arguments(p: Any, prefix: str = "node-check-") -> None:
                    f"(default {d.straggler_ratio:g})")  # fmt: skip
     p.add_argument(f"--{prefix}straggler-k", type=positive, default=None,
                    help=f"k of the median + k*MAD rule (default {d.straggler_k:g})")
+    p.add_argument(f"--{prefix}procs", type=positive_int, default=None, metavar="N",
+                   help="benchmark processes per node (default: one per GPU, one on a node without GPUs; "
+                   "N on the CPU runs N gloo processes per node)")  # fmt: skip
 
 
 # NodeCheckConfig field -> option name (after the prefix)
@@ -69,6 +72,7 @@ _CHECK_OPTIONS = {
     "iters": "iters",
     "straggler_ratio": "straggler_ratio",
     "straggler_k": "straggler_k",
+    "procs": "procs",
 }
 
 
@@ -101,7 +105,8 @@ def format_verdict(v: Verdict, metrics: dict[int, list[dict[str, Any]]]) -> list
                 f"all-reduce {m['allreduce_s'] * 1e3:.2f} ms/op, algbw {m['allreduce_algbw_gbps']:.2f} GB/s, "
                 f"busbw {m['allreduce_busbw_gbps']:.2f} GB/s; "
                 f"all-gather {m['allgather_s'] * 1e3:.2f} ms/op, algbw {m['allgather_algbw_gbps']:.2f} GB/s, "
-                f"busbw {m['allgather_busbw_gbps']:.2f} GB/s ({m['bytes'] / 1e6:.1f} MB, {m['backend']})"
+                f"busbw {m['allgather_busbw_gbps']:.2f} GB/s ({m['bytes'] / 1e6:.1f} MB, {m['backend']}, "
+                f"{m.get('procs', 1)} process(es) per node, world {m['world_size']})"
             )
     for n, why in sorted(v.faulty.items()):
         lines.append(f"nodecheck verdict: node {n} is faulty: {why}")

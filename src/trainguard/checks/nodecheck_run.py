@@ -4,13 +4,15 @@ Every node runs ``NodeChecker(store, node_rank, nnodes, cfg).run()`` at the same
 store (the rendezvous store of a ``trainguard run`` round, or the TCPStore of ``trainguard
 nodecheck``). The pairing (pure, ``trainguard.detect.nodecheck``) is computed identically on every
 node. For each group one member hosts a small TCPStore for the group's process group; every member
-starts one benchmark process (``trainguard.checks.bench``) and publishes its result under a
+starts one benchmark process (``trainguard.checks.bench``) per GPU (``local_procs``: one on the
+CPU, or ``procs`` gloo processes) and publishes the node's result (its slowest process) under a
 wave-scoped key. Node 0 closes each wave by writing the full result list (missing ones marked
 failed), so all nodes continue from the same data and reach the same verdict.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,6 +58,27 @@ class NodeCheckConfig:
     advertise_addr: str | None = None  # address peers use to reach this node's group store
     peer_host: str | None = None  # a host to route to when guessing advertise_addr (rendezvous)
     env: dict[str, str] = field(default_factory=dict)  # extra env for the benchmark process
+    hold_file: str | None = None  # the benchmark waits while this file exists (a drill's hold)
+    procs: int = 0  # benchmark processes per node (0: one per visible GPU with CUDA, else one)
+
+
+def local_procs(cfg: NodeCheckConfig) -> int:
+    """How many benchmark processes this node runs: ``cfg.procs`` when given, else one per GPU the
+    benchmark will see (its CUDA_VISIBLE_DEVICES, else this process's), else one (the CPU)."""
+    if cfg.procs:
+        return cfg.procs
+    if cfg.device == "cpu":
+        return 1
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # no usable CUDA: the CPU check
+        gpus = 0
+    visible = cfg.env.get("CUDA_VISIBLE_DEVICES")
+    if gpus and visible is not None:
+        gpus = min(gpus, len([d for d in visible.split(",") if d.strip()]))
+    return max(1, gpus)
 
 
 def guess_advertise_addr(peer_host: str | None) -> str:
@@ -74,9 +97,11 @@ class NodeChecker:
         say: Callable[[str], None] | None = None,
         name: str | None = None,
         nodes: list[int] | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> None:
         """``nodes``: the node ranks that take part (default all ``nnodes``; a partial recheck
-        passes a subset, see ``recheck_nodes``)."""
+        passes a subset, see ``recheck_nodes``). ``on_start`` is told the pid of each benchmark
+        process this node starts (the agent records it, so a drill can find the process)."""
         self.store = store
         self.me = node_rank
         self.nodes = sorted(nodes) if nodes is not None else list(range(nnodes))
@@ -86,6 +111,8 @@ class NodeChecker:
         self.name = name or f"node{node_rank}"
         self.addr = self.cfg.advertise_addr or guess_advertise_addr(self.cfg.peer_host)
         self.metrics: list[dict[str, Any]] = []  # this node's full benchmark outputs
+        self.on_start = on_start
+        self._procs = local_procs(self.cfg)
         self._servers: list[Any] = []
         self._wave_base = ""
         self._wave_members: list[int] = []
@@ -165,11 +192,19 @@ class NodeChecker:
             server = bound_store(self.addr, timeout_s=self.cfg.timeout_s)
             self._servers.append(server)
             self.store.set(f"{gbase}/addr", f"{self.addr}:{server.port}")
+        self.store.set(f"{gbase}/procs/{self.me}", str(self._procs))
         raw = self._get(f"{gbase}/addr", deadline)
         if raw is None:
             return self._fail(gbase, group, f"node {host} never published its group store")
+        counts = {}
+        for n in group:  # every member's process count: the ranks are numbered across the group
+            got = self._get(f"{gbase}/procs/{n}", deadline)
+            if got is None:
+                return self._fail(gbase, group, f"node {n} never said how many check processes it runs")
+            counts[n] = int(got)
         h, _, p = raw.decode().rpartition(":")
-        return self._run_bench(gbase, group, h, int(p), deadline)
+        first = sum(counts[n] for n in group[: group.index(self.me)])
+        return self._run_bench(gbase, group, (h, int(p)), (first, sum(counts.values())), deadline)
 
     def _fail(self, gbase: str, group: Group, error: str) -> TestResult:
         try:
@@ -185,77 +220,140 @@ class NodeChecker:
     def _wave_ready(self) -> bool:
         return all(self.store.check([f"{self._wave_base}/ready/{n}"]) for n in self._wave_members)
 
-    def _command(self, host: str, port: int, group: Group) -> list[str]:
+    def _command(self, host: str, port: int, rank: int, world: int, local_rank: int) -> list[str]:
         c = self.cfg
         return [
             sys.executable, "-m", "trainguard.checks.bench",
             "--store-host", host, "--store-port", str(port),
-            "--rank", str(group.index(self.me)), "--world-size", str(len(group)),
+            "--rank", str(rank), "--world-size", str(world), "--local-rank", str(local_rank),
             "--backend", c.backend, "--device", c.device,
             "--gemm-n", str(c.gemm_n), "--coll-mb", str(c.coll_mb),
             "--iters", str(c.iters), "--warmup", str(c.warmup), "--timeout", str(c.timeout_s), "--sync",
+            *(["--hold-file", c.hold_file] if c.hold_file else []),
         ]  # fmt: skip
 
-    def _run_bench(self, gbase: str, group: Group, host: str, port: int, deadline: float) -> TestResult:
-        partners = [n for n in group if n != self.me]
-        abort_keys = [f"{gbase}/abort/{n}" for n in partners]
-        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(
-                self._command(host, port, group),
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.PIPE,
-                text=True,
-                env={**os.environ, **self.cfg.env},
-                start_new_session=True,  # its own process group: killed as a whole below
-            )
-            why = ""
-            ready_at: float | None = None
-            started = False
-            try:
-                while proc.poll() is None:
-                    if not started:
-                        if ready_at is None and READY_LINE in _read_all(out):
-                            ready_at = time.monotonic()
-                            self._set_ready("ok")
-                        if ready_at is not None and (
-                            self._wave_ready() or time.monotonic() - ready_at > READY_GRACE_S
-                        ):
-                            _send_go(proc)
-                            started = True
-                    if time.monotonic() > deadline:
-                        why = f"timed out after {self.cfg.timeout_s:.0f} s"
-                        break
-                    gone = [k for k in abort_keys if self.store.check([k])]
-                    if gone:
-                        who = ", ".join(k.rsplit("/", 1)[1] for k in gone)
-                        why = f"aborted: partner node {who} failed"
-                        break
-                    time.sleep(POLL_S)
-            finally:
-                if proc.poll() is None:
-                    _kill_group(proc)
-                if proc.stdin is not None and not proc.stdin.closed:
-                    proc.stdin.close()
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read(), err.read()
+    def _run_bench(self, gbase: str, group: Group, store: tuple[str, int], ranks: tuple[int, int],
+                   deadline: float) -> TestResult:  # fmt: skip
+        """This node's benchmark processes (ranks ``first .. first+procs-1`` of ``world``), watched
+        until they all finish, one fails, the deadline passes or a partner aborts."""
+        (host, port), (first, world) = store, ranks
+        procs = _BenchProcs([self._command(host, port, first + i, world, i) for i in range(self._procs)],
+                            {**os.environ, **self.cfg.env})  # fmt: skip
+        try:
+            for pid in procs.pids():
+                if self.on_start is not None:
+                    self.on_start(pid)
+            why = self._watch(procs, gbase, group, deadline)
+        finally:
+            procs.close()
         if why:
             return self._fail(gbase, group, why)
-        data = _parse_result(stdout)
-        if proc.returncode != 0 or not data.get("ok"):
-            tail = data.get("error") or stderr.strip().splitlines()[-1:] or [""]
-            msg = tail if isinstance(tail, str) else tail[0]
-            return self._fail(gbase, group, f"check process exit {proc.returncode}: {msg}"[:400])
+        failed = procs.failure()
+        if failed:
+            return self._fail(gbase, group, failed[:400])
+        data = procs.node_result()
         self.metrics.append({"group": list(group), **data})
-        return TestResult(
-            node=self.me,
-            group=group,
-            ok=True,
-            gemm_s=data["gemm_s"],
-            allreduce_s=data["allreduce_s"],
-            allgather_s=data["allgather_s"],
-        )
+        return TestResult(node=self.me, group=group, ok=True, gemm_s=data["gemm_s"],
+                          allreduce_s=data["allreduce_s"], allgather_s=data["allgather_s"])  # fmt: skip
+
+    def _watch(self, procs: _BenchProcs, gbase: str, group: Group, deadline: float) -> str:
+        """Wait for the processes; why they were stopped ("" when they all ended by themselves)."""
+        abort_keys = [f"{gbase}/abort/{n}" for n in group if n != self.me]
+        ready_at: float | None = None
+        started = False
+        while procs.running() and not procs.any_failed():
+            if not started:
+                if ready_at is None and procs.all_ready():
+                    ready_at = time.monotonic()
+                    self._set_ready("ok")
+                if ready_at is not None and (self._wave_ready() or time.monotonic() - ready_at > READY_GRACE_S):
+                    procs.go()
+                    started = True
+            if time.monotonic() > deadline:
+                return f"timed out after {self.cfg.timeout_s:.0f} s"
+            gone = [k for k in abort_keys if self.store.check([k])]
+            if gone:
+                return f"aborted: partner node {', '.join(k.rsplit('/', 1)[1] for k in gone)} failed"
+            time.sleep(POLL_S)
+        return ""
+
+
+class _BenchProcs:
+    """A node's benchmark processes, each in its own session (killed as a whole), with its output
+    in temporary files."""
+
+    def __init__(self, commands: list[list[str]], env: dict[str, str]) -> None:
+        self._files: list[tuple[Any, Any]] = []
+        self.procs: list[subprocess.Popen[str]] = []
+        for cmd in commands:
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            self._files.append((out, err))
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.PIPE, text=True, env=env,
+                                               start_new_session=True))  # fmt: skip
+        self.results: list[tuple[int | None, dict[str, Any], str]] = []
+        self.killed: set[int] = set()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def any_failed(self) -> bool:
+        """One process ended with an error: its partners would wait for it in a collective."""
+        return any(p.poll() not in (None, 0) for p in self.procs)
+
+    def all_ready(self) -> bool:
+        return all(READY_LINE in _read_all(out) for out, _err in self._files)
+
+    def go(self) -> None:
+        for p in self.procs:
+            _send_go(p)
+
+    def close(self) -> None:
+        """Kill what still runs, keep every process's exit code and output."""
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.killed.add(i)  # stopped by us: not the process that failed
+                _kill_group(p)
+            if p.stdin is not None and not p.stdin.closed:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
+        for p, (out, err) in zip(self.procs, self._files, strict=True):
+            out.seek(0)
+            err.seek(0)
+            self.results.append((p.returncode, _parse_result(out.read()), err.read()))
+            out.close()
+            err.close()
+
+    def failure(self) -> str:
+        """Why the first failed process failed ("" when all succeeded)."""
+        order = sorted(range(len(self.results)), key=lambda i: i in self.killed)  # the cause first
+        for i in order:
+            code, data, stderr = self.results[i]
+            if code != 0 or not data.get("ok"):
+                tail = data.get("error") or stderr.strip().splitlines()[-1:] or [""]
+                msg = tail if isinstance(tail, str) else tail[0]
+                if not msg and code is not None and code < 0:
+                    msg = f"killed by {signal.Signals(-code).name}"
+                who = f" (GPU/process {i})" if len(self.results) > 1 else ""
+                return f"check process exit {code}{who}: {msg}"
+        return ""
+
+    def node_result(self) -> dict[str, Any]:
+        """The node's measurements: a node is as slow as its slowest GPU (each time is the max over
+        its processes; the bandwidths are those of that time), every process's own below."""
+        per = [data for _c, data, _e in self.results]
+        slowest = {k: max(per, key=lambda d, k=k: d[k]) for k in ("gemm_s", "allreduce_s", "allgather_s")}
+        out = dict(per[0])
+        out.update({k: slowest["gemm_s"][k] for k in ("gemm_s", "gemm_tflops")})
+        for op in ("allreduce", "allgather"):
+            out.update({k: slowest[f"{op}_s"][k] for k in (f"{op}_s", f"{op}_algbw_gbps", f"{op}_busbw_gbps")})
+        out["procs"] = len(per)
+        out["gemm_s_per_device"] = [d["gemm_s"] for d in per]
+        out["per_process"] = [{k: d.get(k) for k in ("device", "rank", "gemm_s", "allreduce_s", "allgather_s")}
+                              for d in per]  # fmt: skip
+        return out
 
 
 def get_when_set(store: Any, key: str, deadline: float) -> bytes | None:

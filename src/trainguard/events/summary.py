@@ -23,9 +23,11 @@ from trainguard.events.model import Event
 OWN_WORK_KINDS = ("FP", "DataLoader")
 SCORE_STEPS = 32  # recent steps per rank behind the straggler score
 # The seed's exit message of a node isolated for a fault (policy.NODE_DOWN_MESSAGE), and the
-# decision sources that mean a hardware/node fault rather than a straggler.
+# decision sources whose every exclusion is a hardware fault of the node: the GPU check after a
+# worker failure, the periodic check, a NaN that reproduced on hardware with a fault.
 NODE_DOWN = "The node is down."
-HARDWARE_SOURCES = frozenset({"hardware_check", "health_check", "precheck"})
+HARDWARE_SOURCES = frozenset({"hardware_check", "health_check", "nan_triage"})
+PRECHECK_HARDWARE_SCENARIO = 1  # policy.decide_before_start: a hardware item failed (gpu-check, rdma, node history)
 NODE_STATES = ("starting", "running", "recovering", "restarting", "held", "failed", "succeeded", "excluded")
 JOB_STATE_ORDER = ("recovering", "restarting", "running", "starting", "held", "failed", "succeeded", "excluded")
 KEEP = 200  # diagnoses, hangs, stragglers, checkpoints kept in the summary
@@ -62,10 +64,20 @@ def pids_of(evidence: dict[str, Any]) -> dict[int, int]:
 
 
 def is_hardware_exclusion(event: Event) -> bool:
+    """Whether a ``node_excluded`` event is a reschedule for a hardware fault (seed 003's counter):
+    a GPU fault, a node check (GEMM, collectives) that found the node faulty, a hardware item of the
+    pre-check (gpu-check, rdma, the node history), a failure classified as hardware. Not the node's
+    setup (a full disk, a name that does not resolve: seed scenario 2), a straggler or a restart loop."""
     ev = event.evidence or {}
-    return event.message.startswith(NODE_DOWN) or ev.get("source") in HARDWARE_SOURCES or (
-        ev.get("source") == "worker_exit" and isinstance(ev.get("cause"), dict) and ev["cause"].get("kind") == "hardware"
-    )
+    source = ev.get("source")
+    if source in HARDWARE_SOURCES:
+        return True
+    if source == "precheck":
+        return ev.get("scenario") == PRECHECK_HARDWARE_SCENARIO
+    if source == "node_check":  # faulty: "The node is down."; a straggler leaves with another line
+        return event.message.startswith(NODE_DOWN)
+    cause = ev.get("cause")
+    return source == "worker_exit" and isinstance(cause, dict) and cause.get("kind") == "hardware"
 
 
 @dataclass
@@ -133,6 +145,7 @@ class JobSummary:
         self.nodes: dict[str, NodeState] = {}
         self.ranks: dict[int, RankState] = {}
         self.hardware_reschedules = 0
+        self._lost: set[str] = set()  # nodes counted lost (each survivor reports them) until they start again
         self.hangs: deque[dict[str, Any]] = deque(maxlen=KEEP)
         self.stragglers: deque[dict[str, Any]] = deque(maxlen=KEEP)
         self.diagnoses: deque[dict[str, Any]] = deque(maxlen=KEEP)
@@ -180,6 +193,7 @@ class JobSummary:
 
     def _on_job_started(self, n: NodeState, e: Event) -> None:
         ev = e.evidence
+        self._lost.discard(n.node)  # back: a later loss counts again
         self._flush_failures(n)
         n.state, n.started, n.held_until = "running", e.time, None
         n.attempt = as_int(ev.get("attempt"), n.attempt + 1)
@@ -276,6 +290,15 @@ class JobSummary:
         n.state = "excluded"
         if is_hardware_exclusion(e):
             self.hardware_reschedules += 1
+
+    def _on_node_lost(self, n: NodeState, e: Event) -> None:
+        """A lost node (no heartbeat) is rescheduled without it: one reschedule per node lost,
+        however many survivors report it."""
+        lost = e.evidence.get("nodes")
+        for name in lost if isinstance(lost, dict) else {}:
+            if isinstance(name, str) and name not in self._lost:
+                self._lost.add(name)
+                self.hardware_reschedules += 1
 
     def _on_node_held(self, n: NodeState, e: Event) -> None:
         n.state = "held"

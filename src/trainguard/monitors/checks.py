@@ -1,7 +1,9 @@
 """Checks inside `trainguard run`: pre-flight items, the node health check, periodic hardware checks.
 
-- Before workers first start (``on_before_start``, first round of this agent only), the node runs
-  the ``trainguard check`` items and records ``precheck_passed`` / ``precheck_failed``. Every round,
+- Before workers first start (``on_before_start``, first round of this agent), the node runs the
+  ``trainguard check`` items and records ``precheck_passed`` / ``precheck_failed``; before every
+  later round (a restart) it runs the cheap items about changing state again (disk sizes, rdma,
+  gpu-check: ``RECHECKED_ITEMS``). Every round,
   all agents publish their pre-check outcome in the rendezvous store and wait for each other's, so
   they agree on one ``CheckOutcome``; the policy then excludes a failed node ("The node is down.",
   seed scenarios 1-2) and the others re-rendezvous without it, or stop when the job is not elastic
@@ -33,11 +35,13 @@ from typing import Any
 from trainguard.checks.items import (
     FAILED,
     OK,
+    RECHECKED_ITEMS,
     CheckConfig,
     HardwareReport,
     ItemResult,
     endpoint_host,
     hardware_check,
+    is_skipped,
     passed,
     run_checks,
     skip_item,
@@ -51,6 +55,8 @@ from trainguard.evidence import CheckOutcome, HardwareFault, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext
 from trainguard.monitors.nodecheck_reuse import NEVER_CHECKED, NodeCheckMemory, fingerprint
 from trainguard.options import given, non_negative, seconds
+from trainguard.probes import identity
+from trainguard.rundir import chaos_hold
 from trainguard.spawn.failures import lost_peer
 
 log = logging.getLogger(__name__)
@@ -73,6 +79,13 @@ class ChecksSettings:
     history: HistorySettings = field(default_factory=HistorySettings)
 
     @property
+    def refuses_gpu_less_node(self) -> bool:
+        """Whether a GPU job (``--nproc-per-node gpu``) on a node without GPUs is refused by the
+        pre-check's gpu-check (the seed's "The node is down.") rather than by torch's usage error."""
+        c = self.check
+        return self.precheck and bool(c.gpus_requested) and c.gpu_mode != "off" and not is_skipped("gpu-check", c.skip)
+
+    @property
     def enabled(self) -> bool:
         return self.precheck or self.node_check or self.health_interval_s > 0
 
@@ -82,6 +95,7 @@ class ChecksSettings:
         check = CheckConfig(
             endpoints=[e for e in (options.rdzv_endpoint, options.master_addr) if e],
             nproc_per_node=_int_or_none(options.nproc_per_node),
+            gpus_requested=gpus_requested(options.nproc_per_node),
             require_cuda_toolkit=bool(options.check_require_cuda_toolkit),
             # master-port stays unchecked (no port given): the rendezvous already listens on its
             # port and the agent picks a free MASTER_PORT for the workers.
@@ -107,7 +121,9 @@ class ChecksSettings:
 _CHECK_OPTIONS = {
     "root_path": "check_root_dir",
     "root_min_gb": "check_disk_root_gb",
+    "shm_path": "check_shm_dir",
     "shm_min_gb": "check_disk_shm_gb",
+    "ib_class_dir": "check_ib_dir",
     "cache_path": "check_cache_dir",
     "cache_min_gb": "check_disk_cache_gb",
     "gpu_mode": "check_gpu",
@@ -127,6 +143,9 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     g.add_argument("--check-disk-cache-gb", type=float, default=None,
                    help=f"disk-size cache: free GB needed (default {c.cache_min_gb:g})")  # fmt: skip
     g.add_argument("--check-root-dir", default=None, help=f"path checked by disk-size root (default {c.root_path})")
+    g.add_argument("--check-shm-dir", default=None, help=f"path checked by disk-size shm (default {c.shm_path})")
+    g.add_argument("--check-ib-dir", default=None,
+                   help=f"sysfs class directory of the RDMA devices read by rdma (default {c.ib_class_dir})")  # fmt: skip
     g.add_argument("--check-cache-dir", default=None,
                    help=f"path checked by disk-size cache, skipped if absent (default {c.cache_path})")  # fmt: skip
     g.add_argument("--check-hostfile", action="append", default=None, metavar="GLOB",
@@ -153,6 +172,12 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
                    help=f"periodic light hardware check while training (0: off, default {d.health_interval_s:g})")  # fmt: skip
 
 
+def gpus_requested(nproc_per_node: Any) -> str:
+    """Why the job is known to use GPUs ("" when it is not): torchrun's ``--nproc-per-node gpu``
+    starts one worker per GPU, so a node without GPUs cannot run it (gpu-check fails it)."""
+    return "--nproc-per-node gpu" if str(nproc_per_node).strip() == "gpu" else ""
+
+
 def _int_or_none(value: Any) -> int | None:
     try:
         return int(value)
@@ -170,6 +195,9 @@ def _recheck_note(reasons: dict[int, str], taking_part: list[int], nnodes: int) 
 
 
 HISTORY_ITEM = "node-history"
+# Pre-check items whose failure is a hardware fault of the node (seed scenario 1), not its setup
+# (a full disk, a name that does not resolve: scenario 2).
+HARDWARE_ITEMS = frozenset({"gpu-check", "rdma", HISTORY_ITEM})
 
 
 def history_item(settings: HistorySettings, ctx: MonitorContext) -> ItemResult | None:
@@ -192,6 +220,13 @@ def history_item(settings: HistorySettings, ctx: MonitorContext) -> ItemResult |
                           data={"faults": [f.to_dict() for f in refused], "path": str(path)})
     n = len(node_history.counted(faults))
     return ItemResult(HISTORY_ITEM, OK, f"{n} hardware-class fault(s) of {ctx.node} in the window", data={"path": str(path)})
+
+
+def _record_bench(ctx: MonitorContext, pid: int) -> None:
+    """A node-check process started: who it is (``trainguard chaos nodecheck-kill`` verifies it
+    against this before it signals the pid)."""
+    ctx.events.emit("nodecheck_started", f"node-check process {pid} started",
+                    evidence={"pid": pid, "identity": identity.record({0: pid})})
 
 
 def _say(line: str) -> None:
@@ -234,35 +269,47 @@ class ChecksMonitor(Monitor):
         return outcome
 
     def _run_precheck(self, ctx: MonitorContext) -> list[ItemResult]:
-        """Once per agent (the first round): later rounds reuse the result."""
+        """Every item at this agent's first round; before each later round (a restart of the
+        workers) the items about state that changes while training (``RECHECKED_ITEMS``: a disk or
+        /dev/shm that filled, a GPU or an RDMA port that went down) run again and the others' first
+        results stand."""
+        t0 = time.perf_counter()
         if self._precheck is None:
-            t0 = time.perf_counter()
             results = run_checks(self.settings.check)
             history = history_item(self.settings.history, ctx)
             if history is not None:
                 results.append(history)
-            elapsed = time.perf_counter() - t0
-            for r in results:
-                _say(r.line())
-            ok = passed(results)
-            failed = [r for r in results if r.failed]
-            ctx.events.emit(
-                "precheck_passed" if ok else "precheck_failed",
-                "pre-check passed"
-                if ok
-                else "pre-check failed: " + "; ".join(f"{r.item}: {r.detail}" for r in failed)[:400],
-                severity="info" if ok else "error",
-                evidence={"items": [r.to_dict() for r in results], "seconds": round(elapsed, 4)},
-            )
-            self._precheck = results
-        return self._precheck
+            rechecked: list[str] = []
+        else:
+            fresh = {r.item: r for r in run_checks(self.settings.check, only=RECHECKED_ITEMS)}
+            results = [fresh.get(r.item, r) for r in self._precheck]
+            rechecked = [r.item for r in results if r.item in fresh]
+        self._precheck = results
+        self._record_precheck(ctx, results, rechecked, time.perf_counter() - t0)
+        return results
+
+    def _record_precheck(self, ctx: MonitorContext, results: list[ItemResult], rechecked: list[str], elapsed: float) -> None:
+        shown = [r for r in results if not rechecked or r.item in rechecked]
+        for r in shown:
+            _say(r.line())
+        ok = passed(results)
+        failed = [r for r in results if r.failed]
+        when = f" before attempt {ctx.restart_count} (rechecked: {', '.join(rechecked)})" if rechecked else ""
+        ctx.events.emit(
+            "precheck_passed" if ok else "precheck_failed",
+            f"pre-check passed{when}"
+            if ok
+            else f"pre-check failed{when}: " + "; ".join(f"{r.item}: {r.detail}" for r in failed)[:400],
+            severity="info" if ok else "error",
+            evidence={"items": [r.to_dict() for r in results], "seconds": round(elapsed, 4), "rechecked": rechecked},
+        )
 
     def _precheck_round(self, ctx: MonitorContext) -> CheckOutcome:
         results = self._run_precheck(ctx)
         mine = {
             "passed": passed(results),
             "failed": [r.line() for r in results if r.failed],
-            "hardware_fault": any(r.failed and r.item in ("gpu-check", HISTORY_ITEM) for r in results),
+            "hardware_fault": any(r.failed and r.item in HARDWARE_ITEMS for r in results),
             "history_refused": any(r.failed and r.item == HISTORY_ITEM for r in results),
             "node": ctx.node,
         }
@@ -297,7 +344,8 @@ class ChecksMonitor(Monitor):
         if ctx.store is None:
             log.warning("node check needs the rendezvous store; skipped")
             return None
-        cfg = dataclasses.replace(self.settings.node, env={**self.settings.node.env, **self._node_check_env})
+        cfg = dataclasses.replace(self.settings.node, env={**self.settings.node.env, **self._node_check_env},
+                                  hold_file=str(chaos_hold.nodecheck_hold_path(ctx.run_dir)))
         t0 = time.monotonic()
         current = fingerprint(ctx.node, cfg)
         reasons = self._gather_reasons(ctx, self._memory.reason_to_check(current))
@@ -310,7 +358,7 @@ class ChecksMonitor(Monitor):
         if ctx.node_rank in taking_part:
             checker = NodeChecker(
                 ctx.store, ctx.node_rank, ctx.nnodes, cfg, prefix=NODECHECK_PREFIX, say=_say, name=ctx.node,
-                nodes=taking_part,
+                nodes=taking_part, on_start=lambda pid: _record_bench(ctx, pid),
             )  # fmt: skip
             verdict = checker.run()
             metrics = checker.metrics

@@ -107,3 +107,13 @@ def answered(run_dir: Path, rank: int, req_id: str) -> dict | None:
     """The agent's answer to request ``req_id`` (None: not yet)."""
     data = _read(ack_path(run_dir, rank))
     return data if data is not None and data.get("id") == req_id else None
+
+
+NODECHECK_HOLD = "nodecheck-hold"
+
+
+def nodecheck_hold_path(run_dir: Path) -> Path:
+    """While this file exists the job's node-check processes wait, their group up, before they
+    measure (at most their timeout): a drill (``trainguard chaos nodecheck-kill``) then finds them
+    alive however short the check is. Removing it lets them go on."""
+    return chaos_dir(run_dir) / NODECHECK_HOLD
