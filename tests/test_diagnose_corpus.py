@@ -57,7 +57,7 @@ def test_corpus_covers_every_category():
     cats = {c.parent.name for c in CASES}
     want = {"nccl_timeout", "nccl_network", "cuda_oom", "gpu_hardware", "cuda_error_other", "rendezvous_failure",
             "dataloader", "host_oom", "disk_full_or_io", "python_exception", "nan_loss", "segfault",
-            "hang_no_error", "slowdown", "healthy", "killed_external"}  # fmt: skip
+            "hang_no_error", "slowdown", "healthy", "killed_external", "environment"}  # fmt: skip
     assert want <= cats, want - cats
 
 

@@ -25,7 +25,7 @@ from trainguard.policy import PolicySettings
 from trainguard.schedulers.adapter import SchedulerSettings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainguard"
-NO_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME", "TRAINGUARD_NOTIFY")
+NO_ENV = ("TRAINGUARD_HANG_DETECT_TIME", "MA_HANG_DETECT_TIME", "TRAINGUARD_NOTIFY", "MINDX_TASK_ID")
 
 
 @pytest.fixture
@@ -56,6 +56,10 @@ def test_each_room_gets_its_own_typed_part(script):
     assert isinstance(s.monitors["checks"], checks.ChecksSettings)
     assert isinstance(s.monitors["liveness"], liveness.LivenessSettings) and s.monitors["liveness"].interval_s == 3
     assert isinstance(s.monitors["profiling"], profiling.ProfilingRunSettings)
+    assert (s.monitors["profiling"].profiling.aging_fraction, s.monitors["profiling"].profiling.root) == (0.2, "")
+    seed_layout = RunSettings.from_args(parse(script, "--standalone", "--profiling-aging-fraction", "0.5",
+                                              "--profiling-root", "prof"), env={}).monitors["profiling"].profiling
+    assert (seed_layout.aging_fraction, seed_layout.root) == (0.5, "prof")
     assert s.monitors["stacks"] is None  # no settings of its own
     launch = s.launch
     assert launch.run_dir.is_absolute() and launch.node_names == ("n1",) and launch.tee_ranks == frozenset()
@@ -101,6 +105,7 @@ def test_settings_are_built_once_and_launch_gets_them(script, monkeypatch):
         (["--standby", "--nnodes", "2:3", "--rdzv-backend", "etcd-v2"], {}, "--standby needs the c10d rendezvous"),
         (["--standby-nodes", "1"], {}, "--standby-nodes picks the standby nodes of a Slurm step"),  # no step here
         ([], {"TRAINGUARD_HANG_DETECT_TIME": "abc"}, "TRAINGUARD_HANG_DETECT_TIME='abc'"),  # a monitor's
+        ([], {"MINDX_TASK_ID": ".."}, "MINDX_TASK_ID='..' cannot be a folder name"),  # profiling's task folder
         # the scheduler's: the allocation names this node with a name that is none
         ([], {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1;reboot", "SLURM_JOB_NODELIST": "n1"}, "give --node-name"),
     ],

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "slowdown": ("trainguard.diagnose.slowdown_cli", "warn when training slows down, from its logs"),
     "status": ("trainguard.view.status_cli", "live view of a run: ranks, steps, restarts, faults (--once for scripts)"),
     "trace": ("trainguard.view.trace_cli", "a run as a Chrome/Perfetto trace (-o trace.json), plus its goodput"),
+    "logs": ("trainguard.view.logs_cli", "every rank's log of a run merged by time (--rank, --node, --attempt, --since, --until, --grep)"),
     "stacks": ("trainguard.view.stacks_cli", "dump every rank's Python stacks now (all nodes of the run)"),
     "chaos": ("trainguard.chaos.cli", "rehearse a failure on a running job: kill, stop, slow, fill-disk, corrupt-ckpt, net-*"),
     "dashboard": ("trainguard.web.server", "serve a run's dashboard on loopback (events, step heatmap, faults)"),

@@ -196,6 +196,8 @@ def classify_rank_failure(rank: int | None, f: RankFailure) -> FailureCause:
             return FailureCause(COMMUNICATION, rank, head[:300])
         if family == SIGNAL:  # a signal ended a process it ran (a DataLoader worker killed): not a code bug
             return FailureCause(SIGNAL, rank, head[:300])
+        if family == ENVIRONMENT:  # a toolkit or library missing from the image: not the code either
+            return FailureCause(ENVIRONMENT, rank, head[:300])
         return FailureCause(USER, rank, head[:300])
     if sig:
         return FailureCause(SIGNAL, rank, f"killed by {sig}")
@@ -203,15 +205,16 @@ def classify_rank_failure(rank: int | None, f: RankFailure) -> FailureCause:
     lines = [ln.split("]: ", 1)[-1] for ln in f.log_tail]
     exc = next((ln for ln in reversed(lines) if _EXCEPTION_NAME.match(ln)), None)
     if exc is not None and "Traceback (most recent call last)" in tail:
-        kind = COMMUNICATION if _text_family(exc) == COMMUNICATION else USER
+        family = _text_family(exc)
+        kind = family if family in (COMMUNICATION, ENVIRONMENT) else USER
         return FailureCause(kind, rank, exc.strip()[:300])
     return FailureCause(EXIT, rank, f"exit code {f.exitcode}")
 
 
 # Which rank's cause explains the failure when ranks differ: a hardware fault first; then the
-# user's own exception (the other ranks' broken-connection errors are its consequence); then a
-# crash signal; then a communication error; then a bare exit code.
-_PRECEDENCE = [HARDWARE, USER, SIGNAL, COMMUNICATION, EXIT]
+# user's own exception or a broken environment (the other ranks' broken-connection errors are their
+# consequence); then a crash signal; then a communication error; then a bare exit code.
+_PRECEDENCE = [HARDWARE, USER, ENVIRONMENT, SIGNAL, COMMUNICATION, EXIT]
 
 
 def classify_failures(failures: dict[int, RankFailure], diagnosis: Diagnosis | None = None) -> FailureCause:
@@ -219,7 +222,7 @@ def classify_failures(failures: dict[int, RankFailure], diagnosis: Diagnosis | N
     most telling of the per-rank causes."""
     if diagnosis is not None and diagnosis.confidence != "low":  # a low-confidence verdict is a lead, not a cause
         family = diagnosis.details.get("family")  # the deciding rule's own family, else the category's
-        kind = family if family in _PRECEDENCE + [ENVIRONMENT] else cause_of_category(diagnosis.category)
+        kind = family if family in _PRECEDENCE else cause_of_category(diagnosis.category)
         if kind is not None:
             return FailureCause(kind, diagnosis.rank, (diagnosis.summary or diagnosis.category)[:300])
     causes = [classify_rank_failure(rank, f) for rank, f in sorted(failures.items())]
@@ -287,7 +290,10 @@ def decide_on_failure(
         evidence["scenario"] = 4
         hw = "healthy hardware" if hardware is not None else "no hardware fault known"
         action = Action.STOP_JOB
-        reason = f"user code failed on {hw} ({where}: {cause.detail}); a retry would fail the same way, no restart"
+        reason = (f"user code failed on {hw} ({where}: {cause.detail}); a retry would fail the same way, no restart"
+                  if cause.kind == USER else
+                  f"the job's environment is broken on {hw} ({where}: {cause.detail}): fix the environment (image, "
+                  "toolkits, start shell), not the code; a retry in it would fail the same way, no restart")
     elif remaining_restarts <= 0:
         action = Action.STOP_JOB
         reason = f"workers failed ({where}: {cause.detail}) and no restarts are left"

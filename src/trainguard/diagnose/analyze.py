@@ -677,12 +677,23 @@ def _live_stopped(result: dict[str, Any], ctx: Context, rules: RuleSet) -> None:
     result["evidence"] = [{"line": line, "file": str(scan.source.path)}] if scan is not None and line else []
 
 
+# Seed 000 (训练前卡死, hang before training): the live hang report's init_hang advice, offline.
+START_HANG_FIX = (
+    "Hung during start-up, before the first training step: on a multi-node job, check that every node is "
+    "given the master address and port (master_ip: MASTER_ADDR/MASTER_PORT or --rdzv-endpoint) and its rank "
+    "(RANK / --node-rank) and that the world size matches the processes started; set NCCL_DEBUG=INFO "
+    "(os.environ[\"NCCL_DEBUG\"] = \"INFO\") to see NCCL's progress: a hang before any NCCL INFO line means "
+    "the ranks never reached NCCL (a master_ip or rank not passed). "
+)
+
+
 def _offline_end(result: dict[str, Any], ctx: Context, rules: RuleSet) -> Ending:
     end = log_ending(ctx.scans)
     if end.hang:
         where = {"stack_dump": "the stack dump shows where", "stalled_at_start": "before its first training step",
                  "zero_steps": "before its first training step"}.get(end.kind, "after its last logged progress")
-        _hang_at(result, rules, "medium", f"{end.why}: the job hung ({where})")
+        _hang_at(result, rules, "medium", f"{end.why}: the job hung ({where})",
+                 START_HANG_FIX + rules.fix_for("hang_no_error") if end.kind == "stalled_at_start" else "")
         result["first_failure"] = _ff(end.rank, end.host, end.line, end.file, f"ending.{end.kind}")
         result["evidence"] = [{"rank": end.rank, "host": end.host, "line": end.line, "file": end.file, "rule": end.rule}]
         return end

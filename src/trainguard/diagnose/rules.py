@@ -61,6 +61,7 @@ CATEGORIES = (
     "exit_nonzero",  # exited with an error code and logged no error: cause unknown, worth a retry
     "killed_external",  # SIGKILL with no OOM-killer event: a scheduler, a person, a watchdog, the job itself
     "early_exit",  # a rank exited 0 while the others trained on: they then lost their peer
+    "environment",  # the image or the start shell lacks what the job needs (conda set-up, CUDA toolkit, cuDNN)
 )  # fmt: skip
 # Cause families: what kind of failure a category is, for the policy (restart, exclude, stop).
 FAMILIES = ("user_code", "hardware", "communication", "signal", "exit", "environment")

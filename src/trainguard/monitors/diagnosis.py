@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 # Categories where the job can not go on by itself: an error event. The rest are warnings.
 _ERROR_CATEGORIES = {"gpu_hardware", "cuda_oom", "host_oom", "disk_full_or_io", "segfault", "python_exception",
-                     "nan_loss", "cuda_error_other", "dataloader", "rendezvous_failure", "killed_external"}  # fmt: skip
+                     "nan_loss", "cuda_error_other", "dataloader", "rendezvous_failure", "killed_external",
+                     "environment"}  # fmt: skip
 
 
 @dataclass(frozen=True)

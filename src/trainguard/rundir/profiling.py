@@ -4,9 +4,17 @@ Rules from the seed (MindCluster TaskD lightweight profiling):
 
 - records go under ``RUN_DIR/profiling/<rank>/``, in files named by a timestamp (digits only:
   unix milliseconds), one record per line, always appended to the rank's newest file;
+- with ``MINDX_TASK_ID`` set, or a profiling root given (``--profiling-root DIR``), they go to the
+  seed's layout instead: ``<root>/<task id>/<rank>/``, the root ``/user/cluster-info/profiling``
+  unless given, the task folder ``default_task_id_<timestamp>`` without a task id. The run dir then
+  holds ``profiling-location.json`` naming that folder, so its readers (trace, status, dashboard)
+  find the records;
 - when the newest file exceeds 10 MB a new file is started;
-- when the profiling directory reaches its cap, the oldest 20 % of the files (by modification
-  time) are deleted — only digit-named files inside rank directories, never anything else.
+- when the profiling directory (the root, with the seed's layout: every task's folder) reaches its
+  cap, the oldest 20 % of the files (by modification time; the fraction is configurable) are
+  deleted — only digit-named files inside rank directories, never anything else. Agents sharing
+  the directory age it one at a time: the one holding the flock of ``.trainguard-aging.lock`` in
+  it does (another takes over when it ends).
 
 The switch is ``RUN_DIR/profiling-switch.json``, in the seed's ConfigMap format::
 
@@ -17,6 +25,8 @@ written by ``trainguard profile`` (atomically) and watched by every agent of the
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
@@ -32,6 +42,11 @@ SWITCH_FILE = "profiling-switch.json"
 PROFILING_DIR = "profiling"
 ROTATE_BYTES = 10 * 1024 * 1024
 AGING_FRACTION = 0.2
+DEFAULT_ROOT = "/user/cluster-info/profiling"  # TaskD's folder in the container (seed 002)
+TASK_ID_ENV = "MINDX_TASK_ID"
+DEFAULT_TASK_PREFIX = "default_task_id_"
+LOCATION_FILE = "profiling-location.json"  # in the run dir: where its records are, when not in it
+AGING_LOCK = ".trainguard-aging.lock"  # not digit-named: never a rank dir or a record file
 BASIC_KEYS = ("Step", "SaveCheckpoint", "FP", "DataLoader")
 COMM_KEY = "CommunicationOperator"
 
@@ -120,15 +135,16 @@ class RankFileWriter:
         data = "".join(line + "\n" for line in lines).encode()
         if not data:
             return 0
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        runfiles.safe_dir(self.dir)  # a symlink in its place would send the records elsewhere
         path = self.current if self.current is not None and runfiles.is_regular(self.current) else self._latest()
         if path is None or path.lstat().st_size > self.rotate_bytes:
             path = self._new_file()
         try:
-            fd = runfiles.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            fd = runfiles.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         except runfiles.UnsafeFile:  # something not ours took the name: start a file of our own
             path = self._new_file()
-            fd = runfiles.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            fd = runfiles.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with open(fd, "ab") as f:
             f.write(data)
         self.current = path
@@ -152,26 +168,41 @@ def dir_bytes(profiling_dir: Path) -> int:
     return total
 
 
-def age(profiling_dir: Path, cap_bytes: int) -> AgingResult:
-    """If the profiling dir reached ``cap_bytes``, delete the oldest 20 % (at least one) of the
-    digit-named files in its rank directories. Other files are never touched."""
+def _aged_rank_dirs(profiling_dir: Path, nested: bool) -> list[Path]:
+    """The rank dirs aging looks in: ``<dir>/<rank>``, or with the seed's layout ``<root>/<task>/<rank>``
+    for every task folder. Symlinks are not followed."""
+    tops = [profiling_dir]
+    if nested:
+        try:
+            tops = [d for d in profiling_dir.iterdir() if d.is_dir() and not d.is_symlink()]
+        except OSError:
+            return []
+    found: list[Path] = []
+    for top in tops:
+        try:
+            found += [d for d in top.iterdir() if d.is_dir() and d.name.isdigit() and not d.is_symlink()]
+        except OSError:
+            continue
+    return found
+
+
+def age(profiling_dir: Path, cap_bytes: int, fraction: float = AGING_FRACTION, nested: bool = False) -> AgingResult:
+    """If the profiling dir reached ``cap_bytes``, delete the oldest ``fraction`` (at least one) of
+    the digit-named files in its rank directories (``nested``: in every task folder's rank
+    directories). Other files are never touched."""
     profiling_dir = Path(profiling_dir)
     total = dir_bytes(profiling_dir)
     if total < cap_bytes:
         return AgingResult(total, [])
     files = []
-    try:
-        rank_dirs = [d for d in profiling_dir.iterdir() if d.is_dir() and d.name.isdigit()]
-    except FileNotFoundError:
-        return AgingResult(total, [])
-    for d in rank_dirs:
+    for d in _aged_rank_dirs(profiling_dir, nested):
         for p in _numbered(d):
             try:
                 files.append((p.stat().st_mtime_ns, int(p.name), p))
             except FileNotFoundError:
                 pass
     files.sort()
-    n = math.ceil(len(files) * AGING_FRACTION)
+    n = math.ceil(len(files) * fraction)
     deleted = []
     for _, _, p in files[:n]:
         try:
@@ -180,3 +211,94 @@ def age(profiling_dir: Path, cap_bytes: int) -> AgingResult:
         except FileNotFoundError:
             pass
     return AgingResult(total, deleted)
+
+
+class AgingLock:
+    """The right to age one profiling directory, among the agents that share it: an exclusive
+    flock of a private lock file in it, taken without waiting and kept until ``release`` (or the
+    agent's death: the kernel drops the lock, and the next agent that tries takes over)."""
+
+    def __init__(self, profiling_dir: Path) -> None:
+        self.path = Path(profiling_dir) / AGING_LOCK
+        self._fd: int | None = None
+
+    def held(self) -> bool:
+        """True when this agent holds the lock (taken now if free)."""
+        if self._fd is not None:
+            return True
+        try:
+            fd = runfiles.open_fd(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---- where the records go -----------------------------------------------------------------------
+def task_id_problem(task_id: str) -> str | None:
+    """Why a task id cannot name a folder (it is one path component under the root), None if it can."""
+    if task_id in (".", "..") or "/" in task_id or "\0" in task_id or len(task_id.encode()) > 255:
+        return f"{TASK_ID_ENV}={task_id!r} cannot be a folder name (one path component, at most 255 bytes)"
+    return None
+
+
+@dataclass(frozen=True)
+class ProfilingPlace:
+    """Where one agent writes its ranks' record folders, and what its cap and aging cover."""
+
+    data: Path  # <data>/<rank>/<timestamp>
+    aging_root: Path  # RUN_DIR/profiling, or the seed's root with every task's folder
+    nested: bool  # aging_root holds task folders (the seed's layout)
+
+
+def place(run_dir: Path, root: str = "", task_id: str = "", now: float | None = None) -> ProfilingPlace:
+    """The seed's layout when a task id or a root is given, else RUN_DIR/profiling. Without a task
+    id the folder is ``default_task_id_<timestamp>``; an agent of a run whose run dir already names
+    one under the same root (another node, or this one before a restart) joins it."""
+    if not root and not task_id:
+        return ProfilingPlace(Path(run_dir) / PROFILING_DIR, Path(run_dir) / PROFILING_DIR, False)
+    base = Path(root or DEFAULT_ROOT)
+    name = task_id
+    if not name:
+        known = data_dir(run_dir)
+        if known.parent == base and known.name.startswith(DEFAULT_TASK_PREFIX):
+            name = known.name
+        else:
+            name = DEFAULT_TASK_PREFIX + time.strftime("%Y%m%d%H%M%S", time.localtime(now))
+    return ProfilingPlace(base / name, base, True)
+
+
+def prepare(run_dir: Path, where: ProfilingPlace) -> None:
+    """Make the task folder (private; a symlink there is refused) and record it in the run dir, or
+    remove an old record when the records stay in the run dir."""
+    location = Path(run_dir) / LOCATION_FILE
+    if not where.nested:
+        if runfiles.is_regular(location):
+            location.unlink()
+        return
+    where.aging_root.mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one (a mount) is kept as it is
+    where.data.mkdir(mode=0o700, exist_ok=True)
+    runfiles.safe_dir(where.data)
+    with runfiles.replace(location, mode=0o600) as f:
+        f.write((json.dumps({"dir": str(where.data.absolute())}) + "\n").encode())
+
+
+def data_dir(run_dir: Path) -> Path:
+    """Where a run's record folders are: the folder its location file names, else RUN_DIR/profiling."""
+    try:
+        d = json.loads(runfiles.read_text(Path(run_dir) / LOCATION_FILE, 1 << 16)).get("dir")
+    except (OSError, ValueError, AttributeError):
+        return Path(run_dir) / PROFILING_DIR
+    return Path(d) if isinstance(d, str) and d else Path(run_dir) / PROFILING_DIR

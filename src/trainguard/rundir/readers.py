@@ -13,7 +13,7 @@ from pathlib import Path
 from trainguard import runfiles
 from trainguard.events.model import Event
 from trainguard.events.store import READ_RETRY_S, RunEvents, event_dbs
-from trainguard.rundir.profiling import PROFILING_DIR
+from trainguard.rundir.profiling import data_dir
 
 HANG_GLOB = "hang-*.txt"
 MAX_RANK = 1 << 24  # more ranks than any job has: a larger one is a damaged record
@@ -120,7 +120,7 @@ def _record_files(rank_dir: Path) -> list[Path]:
 def iter_spans(run_dir: Path, chunk: int = 1 << 20) -> Iterator[Span]:
     """Every span record of the run, file by file, without holding more than ``chunk`` bytes of a
     file at once (``trace`` of a run dir with gigabytes of records)."""
-    for rank_dir in _rank_dirs(Path(run_dir) / PROFILING_DIR):
+    for rank_dir in _rank_dirs(data_dir(Path(run_dir))):
         for path in _record_files(rank_dir):
             try:
                 f = runfiles.open_read(path)
@@ -147,7 +147,7 @@ class SpanTail:
 
     def __init__(self, run_dir: Path, start_bytes: int | None = None, ranks: set[int] | None = None,
                  max_bytes_per_read: int = 64 << 20) -> None:
-        self.profiling = Path(run_dir) / PROFILING_DIR
+        self.run_dir = Path(run_dir)  # its records' folder is looked up on every read: the agent may name it later
         self.start_bytes = start_bytes
         self.ranks = ranks
         self.max_bytes = max_bytes_per_read
@@ -160,7 +160,7 @@ class SpanTail:
         spans: list[Span] = []
         budget = self.max_bytes
         seen: set[Path] = set()
-        for rank_dir in _rank_dirs(self.profiling):
+        for rank_dir in _rank_dirs(data_dir(self.run_dir)):
             if self.ranks is not None and int(rank_dir.name) not in self.ranks:
                 continue
             files = _record_files(rank_dir)

@@ -33,7 +33,7 @@ import psutil
 from trainguard.detect import straggler as S
 from trainguard.monitors.api import Monitor, MonitorContext, StepSample
 from trainguard.monitors.straggler import StragglerMonitor, add_arguments, config_from
-from trainguard.options import positive
+from trainguard.options import SettingsError, dir_path, given, number, positive
 from trainguard.probes import flight_recorder
 from trainguard.probes.ring_reader import RingNotReady, RingReader
 from trainguard.rundir import chaos_hold as hold
@@ -47,13 +47,17 @@ log = logging.getLogger(__name__)
 TICK_S = 0.2  # background thread period
 AGING_EVERY_S = 2.0
 HOLD_GRACE_S = 2.0  # a hold request waits this long for the rank's ring before it is refused
+FRACTION = number("a fraction", maximum=1.0)  # 0 < F <= 1
 
 
 @dataclass(frozen=True)
 class ProfilingSettings:
     basic: bool = True  # Step, FP, DataLoader, SaveCheckpoint spans
     comm: bool = False  # Communication spans (only with basic on: seed rule)
-    dir_cap_mb: float = 1024.0  # cap of RUN_DIR/profiling
+    dir_cap_mb: float = 1024.0  # cap of RUN_DIR/profiling (or of the profiling root)
+    aging_fraction: float = pf.AGING_FRACTION  # --profiling-aging-fraction: of the record files, deleted at the cap
+    root: str = ""  # --profiling-root: the seed's layout, <root>/<task id>/<rank> ("" : see task_id)
+    task_id: str = ""  # MINDX_TASK_ID: the seed's layout under the root (/user/cluster-info/profiling by default)
 
     @property
     def flags(self) -> int:
@@ -67,7 +71,11 @@ class ProfilingSettings:
         if comm and not basic:
             log.warning("--profiling-comm on needs --profiling on (seed rule); Communication stays off")
         cap = d.dir_cap_mb if options.profiling_dir_cap_mb is None else options.profiling_dir_cap_mb
-        return cls(basic=basic, comm=comm and basic, dir_cap_mb=cap)
+        task_id = os.environ.get(pf.TASK_ID_ENV, "").strip()
+        if task_id and (problem := pf.task_id_problem(task_id)):
+            raise SettingsError(problem)
+        return cls(basic=basic, comm=comm and basic, dir_cap_mb=cap, task_id=task_id,
+                   **given(options, {"aging_fraction": "profiling_aging_fraction", "root": "profiling_root"}))
 
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
@@ -78,8 +86,15 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--profiling-comm", choices=["on", "off"], default=None,
                        help="Communication spans (collectives, DDP all-reduce); needs --profiling on (default off)")
     group.add_argument("--profiling-dir-cap-mb", type=positive, default=None,
-                       help=f"cap of RUN_DIR/profiling; past it the oldest 20%% of record files are deleted "
-                       f"(default {d.dir_cap_mb:g})")
+                       help=f"cap of RUN_DIR/profiling (or of --profiling-root); past it the oldest "
+                       f"--profiling-aging-fraction of record files are deleted (default {d.dir_cap_mb:g})")
+    group.add_argument("--profiling-aging-fraction", type=FRACTION, default=None,
+                       help=f"the part of the record files deleted, oldest first, at the cap: 0 < F <= 1 "
+                       f"(default {d.aging_fraction:g})")
+    group.add_argument("--profiling-root", type=dir_path, default=None,
+                       help=f"write records in the seed's layout DIR/$MINDX_TASK_ID/<rank> (DIR/default_task_id_"
+                       f"<timestamp>/<rank> without the variable) instead of RUN_DIR/profiling/<rank>; with "
+                       f"{pf.TASK_ID_ENV} set and no root, {pf.DEFAULT_ROOT} is the root")
     add_arguments(group)  # the straggler monitor's flags: it analyses what this monitor reads
 
 
@@ -129,6 +144,9 @@ class ProfilingMonitor(Monitor):
         settings = settings or ProfilingSettings()
         self.flags = settings.flags
         self.cap_bytes = int(settings.dir_cap_mb * 1024 * 1024)
+        self.settings = settings
+        self.place: pf.ProfilingPlace | None = None  # where the records go, known once the run dir is
+        self._aging: pf.AgingLock | None = None
         self.sink = windows
         self.prefix = os.path.join(R.shm_dir(), f"trainguard-{os.getpid()}-{secrets.token_hex(4)}")
         self.tick_s = tick_s
@@ -184,6 +202,8 @@ class ProfilingMonitor(Monitor):
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._retire_all()
+        if self._aging is not None:
+            self._aging.release()  # another agent of the folder takes over its aging
         for rank, req in list(self._held.items()):
             self._end_hold(rank, req, "the job ended")
 
@@ -206,6 +226,7 @@ class ProfilingMonitor(Monitor):
         if self._thread is not None:
             return
         self.run_dir = run_dir
+        self.place = self._place(run_dir)
         sweep_rings()  # rings left by agents that were killed (SIGKILL leaves no chance to clean up)
         try:
             pf.write_switch(run_dir, self.flags)  # this agent's flags are the run's initial state
@@ -214,6 +235,24 @@ class ProfilingMonitor(Monitor):
             log.warning("cannot write the profiling switch: %s", exc)
         self._thread = threading.Thread(target=self._loop, name="trainguard-profiling", daemon=True)
         self._thread.start()
+
+    def _place(self, run_dir: Path) -> pf.ProfilingPlace:
+        """The seed's layout when asked for; the run dir when its folder cannot be made (the job
+        goes on, and says so)."""
+        s = self.settings
+        where = pf.place(run_dir, s.root, s.task_id)
+        try:
+            pf.prepare(run_dir, where)
+            return where
+        except OSError as exc:
+            log.warning("cannot write profiling records to %s (%s): they go to %s", where.data, exc,
+                        run_dir / pf.PROFILING_DIR)
+            fallback = pf.place(run_dir)
+            try:
+                pf.prepare(run_dir, fallback)
+            except OSError:
+                pass
+            return fallback
 
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -237,9 +276,17 @@ class ProfilingMonitor(Monitor):
                     for r in retired:
                         self._close_ring(r, self._ranks.pop(r))
             now = time.monotonic()
-            if self.run_dir is not None and now - self._last_aging >= AGING_EVERY_S:
+            if self.place is not None and now - self._last_aging >= AGING_EVERY_S:
                 self._last_aging = now
-                pf.age(self.run_dir / pf.PROFILING_DIR, self.cap_bytes)
+                self._age(self.place)
+
+    def _age(self, where: pf.ProfilingPlace) -> None:
+        """Age the records' folder when this agent holds its aging lock: agents sharing it (nodes of
+        one run dir, jobs under one profiling root) age it one at a time, not each its 20 %."""
+        if self._aging is None:
+            self._aging = pf.AgingLock(where.aging_root)
+        if self._aging.held():
+            pf.age(where.aging_root, self.cap_bytes, self.settings.aging_fraction, where.nested)
 
     def _open_rings(self) -> None:
         with self._lock:
@@ -253,7 +300,7 @@ class ProfilingMonitor(Monitor):
             assert self.run_dir is not None
             st = _Rank(
                 reader=reader,
-                files=pf.RankFileWriter(self.run_dir / pf.PROFILING_DIR, rank),
+                files=pf.RankFileWriter(self.place.data if self.place else self.run_dir / pf.PROFILING_DIR, rank),
                 acc=S.StepAccumulator(),
                 windows=S.WindowBuilder(rank, self._node, self.sink.window_steps if self.sink else 1),
             )
