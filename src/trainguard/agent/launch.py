@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
 import os
@@ -13,7 +12,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
@@ -40,7 +38,6 @@ from trainguard.events.store import node_db_path
 from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_FAILED, EXIT_NODE_FAULT, EXIT_OK, EXIT_USAGE, signal_exit
 from trainguard.monitors import plugins
 from trainguard.policy import Decision
-from trainguard.probes import nvml
 from trainguard.schedulers import adapter as scheduler
 from trainguard.spawn import logs
 from trainguard.spawn.pool import WorkerPool
@@ -281,23 +278,11 @@ class Outcome:
     shutdown_rdzv: bool = True
 
 
-def _gpu_placeholder(args: argparse.Namespace, refused_by_precheck: bool) -> argparse.Namespace:
-    """torchrun's flags, with ``--nproc-per-node gpu`` taken as 1 on a node where neither CUDA nor
-    NVML sees a GPU and the pre-check's gpu-check will refuse the node before any worker starts:
-    the job then gets the seed's "The node is down." with the item line (and the others go on
-    without this node), not torch's usage error "Cuda is not available."."""
-    if not refused_by_precheck or str(args.nproc_per_node).strip() != "gpu":
-        return args
-    if torch.cuda.is_available() or nvml.health():
-        return args
-    return argparse.Namespace(**{**vars(args), "nproc_per_node": "1"})
-
-
-def _resolve_job(torchrun: TorchRun, refuses_gpu_less_node: bool = False) -> Job:
+def _resolve_job(torchrun: TorchRun) -> Job:
     """torchrun's config from its flags, the rendezvous store this node hosts, its address."""
     single, torch_files = torchrun.single, torchrun.torch_files
     try:
-        config, cmd, _ = config_from_args(_gpu_placeholder(torchrun.args, refuses_gpu_less_node))  # torch's own function
+        config, cmd, _ = config_from_args(torchrun.args)  # torch's own function: torch's Namespace
     except (AssertionError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     # What torchrun's launch_agent sets in its own environment, and so in its workers'.
@@ -486,8 +471,7 @@ def _launch(settings: RunSettings, run_dir: Path, node: str, monitors: list, sto
     scheduler.describe(settings.scheduler)
     _install_signal_handlers()
     try:
-        checks = settings.monitors.get("checks")
-        job = _resolve_job(settings.torchrun, bool(getattr(checks, "refuses_gpu_less_node", False)))
+        job = _resolve_job(settings.torchrun)
     except UsageError as exc:
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

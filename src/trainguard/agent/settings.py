@@ -30,6 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing.api import Std
 from torch.distributed.elastic.utils import macros
 from torch.distributed.run import get_use_env, parse_min_max_nnodes
@@ -41,6 +42,7 @@ from trainguard.events.notify import bad_urls, urls_from_env
 from trainguard.monitors import plugins
 from trainguard.options import SettingsError, node_name_problem
 from trainguard.policy import PolicySettings
+from trainguard.probes import nvml
 from trainguard.schedulers import adapter as scheduler
 from trainguard.spawn.pcontext import Target
 
@@ -100,7 +102,22 @@ class RunSettings:
         monitors = MappingProxyType(plugins.read_settings(args))  # read-only, like the rest
         launch = _launch_settings(args)
         policy = PolicySettings.from_options(args)
-        return cls(launch, policy, monitors, sched, _torchrun_defaults(args))
+        checks = monitors.get("checks")
+        torch_args = _gpu_placeholder(args, bool(getattr(checks, "refuses_gpu_less_node", False)))
+        return cls(launch, policy, monitors, sched, _torchrun_defaults(torch_args))
+
+
+def _gpu_placeholder(args: argparse.Namespace, refused_by_precheck: bool) -> argparse.Namespace:
+    """torchrun's flags, with ``--nproc-per-node gpu`` taken as 1 on a node where neither CUDA nor
+    NVML sees a GPU and the pre-check's gpu-check will refuse the node before any worker starts:
+    the job then gets the seed's "The node is down." with the item line (and the others go on
+    without this node), not torch's usage error "Cuda is not available."."""
+    if not refused_by_precheck or str(args.nproc_per_node).strip() != "gpu":
+        return args
+    if torch.cuda.is_available() or nvml.health():
+        return args
+    return argparse.Namespace(**{**vars(args), "nproc_per_node": "1"})
+
 
 
 def _flag_problem(args: argparse.Namespace) -> str | None:
