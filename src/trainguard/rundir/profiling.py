@@ -120,7 +120,7 @@ class RankFileWriter:
         data = "".join(line + "\n" for line in lines).encode()
         if not data:
             return 0
-        self.dir.mkdir(parents=True, exist_ok=True)
+        runfiles.private_dirs(self.dir)
         path = self.current if self.current is not None and runfiles.is_regular(self.current) else self._latest()
         if path is None or path.lstat().st_size > self.rotate_bytes:
             path = self._new_file()
