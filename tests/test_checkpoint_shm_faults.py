@@ -48,7 +48,7 @@ def test_shm_dir_removed_under_a_running_job_is_recreated_reported_and_newer_ste
     assert sorted(e.rank for e in lost) == [0, 1], [e.message for e in lost]
     assert all(e.severity.label == "error" and e.evidence["fallback"] == "recreated" for e in lost)
     assert "[checkpoint_shm_lost]" in job.output()  # the agent's console
-    assert "was removed: recreated it" in _rank_logs(run_dir)  # each worker's console
+    assert "was removed: new slots in the recreated (owner-only) directory" in _rank_logs(run_dir)  # each worker's console
     for rank in (0, 1):
         assert disk.list_steps(ckpt_dir, rank)[0] == steps  # nothing newer was lost
 
@@ -117,7 +117,7 @@ def test_shm_that_cannot_be_recreated_goes_to_disk_and_is_reported_every_tenth_s
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint.client"):
             assert ck.save({"w": torch.ones(64)}, 26)
-        assert any("recreated it" in r.getMessage() for r in caplog.records)
+        assert any("recreated (owner-only) directory" in r.getMessage() for r in caplog.records)
         assert shm.is_dir() and not shm.is_symlink() and (os.stat(shm).st_mode & 0o777) == 0o700
     finally:
         ck.close()

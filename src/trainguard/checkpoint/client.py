@@ -383,8 +383,8 @@ class Checkpointer:
         self._drop_slots()
         why_not = shmfault.recreate(self.shm_dir)
         if why_not is None:
-            self._shm_trouble("shm_lost", "recreated", step, f"{why}: recreated it (owner-only) with new slots; "
-                              "snapshots taken before are only what is on disk", why)
+            self._shm_trouble("shm_lost", "recreated", step, f"{why}: new slots in the recreated (owner-only) "
+                              "directory; snapshots taken before are only what is on disk", why)
             return True
         cannot = "it cannot be recreated" + ("" if why_not == why else f" ({why_not})")
         self._shm_trouble("shm_lost", "direct_to_disk", step, f"{why} and {cannot}: snapshot written straight to "
