@@ -45,7 +45,7 @@ def refuse(path: str | Path, why: str) -> UnsafeFile:
     return UnsafeFile(errno.EPERM, f"{path} is {why}, not a regular file: refused")
 
 
-def open_fd(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+def open_fd(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     """An fd of ``path``, a regular file reached without following a symlink; UnsafeFile else.
     Something else at ``path`` is refused before it is opened (opening a device can act on it)."""
     kind = _lkind(path)
@@ -116,7 +116,7 @@ def check_target(path: str | Path, protect: Iterable[str | Path] = ()) -> None:
 
 
 @contextmanager
-def replace(path: str | Path, protect: Iterable[str | Path] = (), mode: int = 0o644) -> Iterator[IO[bytes]]:
+def replace(path: str | Path, protect: Iterable[str | Path] = (), mode: int = 0o600) -> Iterator[IO[bytes]]:
     """A binary file to write that becomes ``path`` when the block ends without error (and is
     removed otherwise). ``path`` must be missing or a regular file none of ``protect`` is."""
     path = Path(path)
@@ -134,10 +134,25 @@ def replace(path: str | Path, protect: Iterable[str | Path] = (), mode: int = 0o
         raise
 
 
-def create_regular(path: str | Path, mode: int = 0o644) -> None:
+def create_regular(path: str | Path, mode: int = 0o600) -> None:
     """Make sure ``path`` is a regular file (created empty when missing), reached without a
     symlink: before a library (SQLite) opens it by name."""
     os.close(open_fd(path, os.O_RDWR | os.O_CREAT, mode))
+
+
+def private_dirs(path: str | Path) -> None:
+    """``mkdir -p`` whose every directory it creates is owner-only, whatever the umask (``Path.mkdir``
+    gives ``mode`` to the last one only); directories that exist are left as they are."""
+    path = Path(path)
+    missing = []
+    while not path.is_dir() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another process; a file there fails later
+            pass
 
 
 def safe_dir(path: str | Path) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args
 
-from trainguard import stopsignal
+from trainguard import runfiles, stopsignal
 from trainguard.agent import console, hold, runlock, standby
 from trainguard.agent.elastic import (
     DuplicateNodeName,
@@ -51,9 +51,9 @@ class UsageError(Exception):
 
 def prepare_run_dir(run_dir: Path) -> Path:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        runfiles.private_dirs(run_dir)  # private: its logs hold the job's output
         probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         probe.unlink()
     except OSError as exc:
         raise UsageError(f"run dir {run_dir} is not writable: {exc.strerror or exc}") from None

@@ -57,7 +57,7 @@ def acquire(run_dir: Path, node: str) -> RunDirLock:
     """Lock the run dir for this node, or raise RunDirBusy naming the job that holds it. A
     filesystem without locks (some Lustre mounts) is said once and not locked."""
     path = lock_path(run_dir, node)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

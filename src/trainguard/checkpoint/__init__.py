@@ -58,8 +58,10 @@ def _checkpointer() -> Checkpointer:
 def save(state: Any, step: int) -> bool:
     """Snapshot ``state`` (this rank's) at ``step`` into shared memory; persisted in the background.
     Returns True when the snapshot was taken, False when it was skipped or failed (an event says
-    why; training can go on). Raises TypeError for values that cannot be stored without pickle and
-    for a ``step`` that is not an integer (bool, float, str), ValueError for a negative one."""
+    why; training can go on: a vanished or full shared memory is reported and worked around, see
+    docs/checkpoints.md). Raises TypeError for values that cannot be stored without pickle and for a
+    ``step`` that is not an integer (bool, float, NaN, str), ValueError for a negative one or one above
+    ``client.MAX_STEP``; nothing is saved then, with or without shared memory."""
     global _unavailable
     step = check_step(step)  # a bad step is the caller's bug: refused even when snapshots are off
     if _unavailable:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint import disk
+from trainguard.checkpoint import disk, shmfault
 from trainguard.checkpoint.format import (
     FORMAT,
     FormatError,
@@ -192,7 +192,8 @@ class Checkpointer:
         self._seq = 0
         self._pending: _Pending | None = None
         self._completer: queue.Queue[_Pending | None] | None = None
-        self._failing = False
+        self._trouble = shmfault.Reporter()  # failed saves: reported at the first and every 10th after
+        self._usable = list(range(self.nslots))  # fewer once the tmpfs had no room for a slot
         self._overlap_off = False
         # Seconds the training thread spent finishing overlapped copies (copying what the helper
         # had not taken, waiting for the piece it was on): the overlap's stall beside save()'s own.
@@ -296,11 +297,11 @@ class Checkpointer:
         with self._lock:
             try:
                 self._wait_pending()
-                index = self._target_slot()
-                if index is None:
-                    self._note_skip(step)
-                    return False
-                slot = self._slot_for(index, data_off + data_len)
+                slot, index = self._usable_slot(step, data_off + data_len)
+                if slot is None:
+                    if index is None:
+                        return False  # skipped (reported)
+                    return self._save_direct(meta, entries, tensors, data_len)
                 self._seq += 1
                 slot.begin_write(self._seq)
                 slot.mm[manifest_off : manifest_off + len(raw)] = raw
@@ -320,8 +321,7 @@ class Checkpointer:
                 self._note_failure(step, exc)
                 return False
         self.saves += 1
-        if self._failing:
-            self._failing = False
+        self._trouble.ok()  # in shared memory again: the next failure is reported at once
         return True
 
     def _target_slot(self) -> int | None:
@@ -329,7 +329,7 @@ class Checkpointer:
         persisting it right now (pinned); then the next oldest, and last the newest one rather than
         skipping the save (only a death in the middle of that write falls back to the pinned, older
         snapshot)."""
-        order = sorted((i for i in range(self.nslots) if i != self._latest), key=self._complete_seq)
+        order = sorted((i for i in self._usable if i != self._latest), key=self._complete_seq)
         if self._latest is not None:
             order.append(self._latest)
         for i in order:
@@ -338,6 +338,105 @@ class Checkpointer:
             if hdr is None or not hdr.pin:
                 return i
         return None
+
+    def _usable_slot(self, step: int, size: int) -> tuple[Slot | None, int | None]:
+        """(slot, index) to write this snapshot into; (None, None): skipped (the agent holds the
+        slot); (None, -1): shared memory is not usable, the snapshot goes straight to disk. A
+        vanished directory is recreated and a full tmpfs evicts this rank's oldest snapshot first
+        (``shmfault``), each said in a ``checkpoint_shm_*`` event."""
+        if not self._shm_present(step):
+            return None, -1
+        while self._usable:
+            index = self._target_slot()
+            if index is None and len(self._usable) < self.nslots:
+                index = self._wait_unpinned()  # one slot left: skipping would lose every save the agent overlaps
+            if index is None:
+                self._note_skip(step)
+                return None, None
+            try:
+                slot = self._slot_for(index, size)
+            except OSError as exc:
+                if not shmfault.is_full(exc):
+                    raise
+                self._evict(index, step, size, exc)
+                continue
+            return slot, index
+        return None, -1
+
+    def _wait_unpinned(self) -> int | None:
+        """Fewer slots than wanted (a full tmpfs) and the agent is persisting them: wait, up to
+        ``shmfault.PIN_WAIT_S``, for it to finish (it is writing what this save would replace)."""
+        deadline = time.monotonic() + shmfault.PIN_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.002)
+            index = self._target_slot()
+            if index is not None:
+                return index
+        return None
+
+    def _shm_present(self, step: int) -> bool:
+        """False when this rank's snapshots cannot be in the shm directory (removed or replaced
+        under the job, and not recreatable): then the save goes to disk."""
+        why = shmfault.lost(self.shm_dir, self._slots)
+        if why is None:
+            return True
+        self._drop_slots()
+        why_not = shmfault.recreate(self.shm_dir)
+        if why_not is None:
+            self._shm_trouble("shm_lost", "recreated", step, f"{why}: new slots in the recreated (owner-only) "
+                              "directory; snapshots taken before are only what is on disk", why)
+            return True
+        cannot = "it cannot be recreated" + ("" if why_not == why else f" ({why_not})")
+        self._shm_trouble("shm_lost", "direct_to_disk", step, f"{why} and {cannot}: snapshot written straight to "
+                          f"{self.ckpt_dir} by the training process", why if why_not == why else f"{why}; {why_not}")
+        return False
+
+    def _evict(self, index: int, step: int, size: int, exc: OSError) -> None:
+        """No room in the tmpfs for slot ``index`` (this rank's oldest snapshot, or a slot not made
+        yet): give its memory back and keep one slot fewer, so the newest snapshot replaces the oldest."""
+        self._usable.remove(index)
+        self._release_buf(index)
+        slot = self._slots[index]
+        self._slots[index] = None
+        if slot is not None:
+            slot.close()
+        slot_path(self.shm_dir, self.rank, index).unlink(missing_ok=True)
+        if self._latest == index:
+            self._latest = None
+        where = f"{self.shm_dir.parent} has no room for a {size / 1e6:.1f} MB slot ({exc.strerror or exc})"
+        if self._usable:
+            self._shm_trouble("shm_full", "evicted_oldest", step, f"{where}: evicted this rank's oldest snapshot; "
+                              f"keeping {len(self._usable)} slot(s) instead of {self.nslots}, each new snapshot "
+                              "replaces the oldest", where)
+        else:
+            self._shm_trouble("shm_full", "direct_to_disk", step, f"{where}, not even for one slot: snapshots are "
+                              f"written straight to {self.ckpt_dir} by the training process", where)
+
+    def _drop_slots(self) -> None:
+        """Forget every slot (their files are gone): the next save creates new ones."""
+        for i in range(self.nslots):
+            self._release_buf(i)
+            slot = self._slots[i]
+            if slot is not None:
+                slot.close()
+            self._slots[i] = None
+        self._latest = None
+
+    def _save_direct(self, meta: dict[str, Any], entries: list, tensors: list[torch.Tensor], data_len: int) -> bool:
+        shmfault.write_direct(self.ckpt_dir, meta, entries, tensors, data_len, _env_keep())
+        self.saves += 1
+        return True
+
+    def _shm_trouble(self, kind: str, fallback: str, step: int, message: str, problem: str) -> None:
+        """One failed save of shared memory: an error event (kind ``checkpoint_<kind>``) and a
+        console warning at the first and every ``shmfault.REPORT_EVERY`` failed saves after."""
+        if not self._trouble.failed(kind, fallback):
+            return
+        text = f"rank {self.rank} step {step}: {message} ({self._trouble.total} failed save(s) so far)"
+        log.warning("checkpoint: %s", text)
+        self._report(f"checkpoint_{kind}", "error", text,
+                     {"step": step, "fallback": fallback, "problem": problem, "shm_dir": str(self.shm_dir),
+                      "failed_saves": self._trouble.total, "report_every": shmfault.REPORT_EVERY})
 
     def _slot_for(self, index: int, size: int) -> Slot:
         slot = self._slots[index]
@@ -478,20 +577,24 @@ class Checkpointer:
         self.skipped += 1
         if self.skipped in (1, 10, 100, 1000):
             self._report("checkpoint_skipped", "warning",
-                         f"snapshot of step {step} skipped: the agent holds both of this rank's slots "
+                         f"snapshot of step {step} skipped: the agent holds every slot of this rank "
                          f"({self.skipped} skipped so far)",
                          {"step": step, "skipped": self.skipped})
 
     def _note_failure(self, step: int, exc: BaseException) -> None:
         log.error("checkpoint: snapshot of step %s failed: %s", step, exc)
-        if not self._failing:  # one event per run of failures, not one per save
-            self._failing = True
+        if self._trouble.failed("failed", type(exc).__name__):  # the first and every 10th in a row
             self._report("checkpoint_failed", "error",
                          f"in-memory snapshot of step {step} on rank {self.rank} failed: {exc}; "
                          "training continues, the previous checkpoint stays valid",
-                         {"step": step, "error": f"{type(exc).__name__}: {exc}", "shm_dir": str(self.shm_dir)})
+                         {"step": step, "error": f"{type(exc).__name__}: {exc}", "shm_dir": str(self.shm_dir),
+                          "failed_saves": self._trouble.total})
 
     def _report(self, kind: str, severity: str, message: str, evidence: dict[str, Any]) -> None:
+        unsafe = shmfault.not_private_dir(self.shm_dir)
+        if unsafe is not None:  # gone or replaced (a link would put the report elsewhere): the log line only
+            log.warning("checkpoint: could not report %s: %s (%s)", kind, message, unsafe)
+            return
         try:
             write_report(self.shm_dir, kind, message, severity, self.rank, evidence)
         except OSError as exc:  # shm itself is full or gone: the log line is all we can do

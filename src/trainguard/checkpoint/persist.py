@@ -77,6 +77,7 @@ class Persister:
         self._done_seqs: dict[int, set[int]] = defaultdict(set)  # rank -> snapshot seqs on disk
         self._failed_seqs: dict[int, set[int]] = defaultdict(set)  # not retried until a breakpoint
         self._lock = threading.Lock()
+        self._dir_gone = False  # said; said again after the directory came back and went again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -187,7 +188,9 @@ class Persister:
         try:
             names = sorted(os.listdir(self.shm_dir))
         except FileNotFoundError:
+            self._note_dir_gone()
             return []
+        self._dir_gone = False
         for name in names:
             parsed = parse_slot_name(name)
             if parsed is None:
@@ -208,6 +211,18 @@ class Persister:
                     continue
                 out.append((rank, slot, hdr))
         return out
+
+    def _note_dir_gone(self) -> None:
+        """The slot directory was removed under the job (tmpwatch, systemd-logind's RemoveIPC): an
+        error event once per removal; each rank says what it did about it at its next save."""
+        if self._dir_gone:
+            return
+        self._dir_gone = True
+        self.emit("checkpoint_shm_lost",
+                  f"the snapshots' shared-memory directory {self.shm_dir} was removed under the running job "
+                  "(tmpwatch? systemd-logind RemoveIPC?): snapshots not on disk yet are lost; each rank recreates "
+                  "it, or writes straight to disk, at its next save",
+                  severity="error", evidence={"shm_dir": str(self.shm_dir), "seen_by": "persister"})
 
     def _persist_one(self, rank: int, slot: Slot, hdr: SlotHeader) -> disk.Persisted | None:
         def unchanged() -> bool:

@@ -224,7 +224,7 @@ def _prepare_writable(path: Path) -> None:
     ours = path.parent.name == EVENTS_DIR  # the run dir itself may be a link the user made; events/ not
     if ours:
         runfiles.safe_dir(path.parent)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    runfiles.private_dirs(path.parent)
     if ours:
         runfiles.safe_dir(path.parent)  # made by someone else between the two
     for side in SIDE_FILES:

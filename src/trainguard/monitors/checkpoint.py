@@ -15,7 +15,9 @@ Events: ``checkpoint_persisted`` (info), ``checkpoint_failed`` (error: disk full
 directory...), ``checkpoint_quarantined`` (warning: checkpoints that do not verify moved aside by
 pruning), ``checkpoint_rescued`` and ``checkpoint_rescue_refused`` (warnings), and, relayed from workers, ``checkpoint_fallback``
 (warning: newest checkpoint partial, corrupt or not loadable at this world size, an older one
-loaded), ``checkpoint_incompatible`` (error), ``checkpoint_loaded`` and ``checkpoint_skipped``.
+loaded), ``checkpoint_incompatible`` (error), ``checkpoint_loaded`` and ``checkpoint_skipped``, and
+``checkpoint_shm_lost`` / ``checkpoint_shm_full`` (errors: the shm directory removed under the job,
+or the tmpfs full; each names the rank's fallback, see ``trainguard.checkpoint.shmfault``).
 """
 
 from __future__ import annotations

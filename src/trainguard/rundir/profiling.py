@@ -135,7 +135,7 @@ class RankFileWriter:
         data = "".join(line + "\n" for line in lines).encode()
         if not data:
             return 0
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        runfiles.private_dirs(self.dir)
         runfiles.safe_dir(self.dir)  # a symlink in its place would send the records elsewhere
         path = self.current if self.current is not None and runfiles.is_regular(self.current) else self._latest()
         if path is None or path.lstat().st_size > self.rotate_bytes:

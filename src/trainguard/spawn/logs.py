@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import sys
 import threading
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import IO
+
+from trainguard import runfiles
 
 log = logging.getLogger("trainguard.worker_output")  # the agent log only (see agent/console.py)
 disk_log = logging.getLogger("trainguard.logs")  # on the console too
@@ -167,11 +170,16 @@ class RankLog:
 
 def _open_append(path: Path, rank: int) -> IO[bytes] | None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "ab", buffering=0)  # noqa: SIM115 - one write per line, nothing held back
+        runfiles.private_dirs(path.parent)
+        return open(_private_append(path), "ab", buffering=0)  # noqa: SIM115 - one write per line, nothing held back
     except OSError as exc:
         disk_log.warning("cannot open %s: %s; rank %d's output goes only to the agent log", path, exc.strerror or exc, rank)
         return None
+
+
+def _private_append(path: Path) -> int:
+    """An fd to append to ``path``, created owner-only whatever the umask (logs hold the job's output)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
 class AgentLogHandler(logging.FileHandler):
@@ -185,7 +193,7 @@ class AgentLogHandler(logging.FileHandler):
         super().__init__(path, encoding="utf-8")
 
     def _open(self):  # type: ignore[override]
-        raw = open(self.baseFilename, "ab", buffering=0)  # noqa: SIM115 - owned by the handler
+        raw = open(_private_append(Path(self.baseFilename)), "ab", buffering=0)  # noqa: SIM115 - owned by the handler
         return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True)
 
     def emit(self, record: logging.LogRecord) -> None:

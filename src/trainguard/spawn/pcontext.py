@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import (
 )
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-from trainguard import stopsignal
+from trainguard import runfiles, stopsignal
 from trainguard.spawn.logs import Route, error_file_path, finished_file_path, rank_log_path
 from trainguard.spawn.pool import WorkerPool, WorkerProcess
 
@@ -61,7 +61,7 @@ class RunDirLogsSpecs(LogsSpecs):
         error_files = {}
         for local_rank, env in envs.items():
             path = error_file_path(self.run_dir, int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
-            path.parent.mkdir(parents=True, exist_ok=True)
+            runfiles.private_dirs(path.parent)
             if path.exists():
                 path.unlink()
             env["TORCHELASTIC_ERROR_FILE"] = str(path)

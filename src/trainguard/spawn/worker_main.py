@@ -106,7 +106,9 @@ def _say_finished() -> None:
     env = os.environ
     try:
         path = finished_file_path(Path(env["TRAINGUARD_RUN_DIR"]), int(env["TRAINGUARD_ATTEMPT"]), int(env["RANK"]))
-        path.write_text(json.dumps({"finished": time.time(), "pid": os.getpid()}) + "\n")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "w") as f:
+            f.write(json.dumps({"finished": time.time(), "pid": os.getpid()}) + "\n")
     except (KeyError, ValueError, OSError):  # not under the agent, or a full disk: the exit code alone decides
         pass
 
