@@ -17,7 +17,8 @@ def read_stats(scans: list, max_bytes: int | None) -> dict[str, Any]:
         "compressed": {
             "files": len(comp),
             "bytes_in": sum(s.read.raw_bytes for s in comp),
-            "bytes_out": sum(s.bytes for s in comp),
+            "bytes_out": sum(s.read.decompressed for s in comp),
+            "bytes_scanned": sum(s.bytes for s in comp),
         },
         "encodings": sorted({s.read.encoding for s in scans if s.bytes and s.read.encoding != "utf-8"}),
         "skipped": [
@@ -46,8 +47,8 @@ def read_line(s: dict[str, Any]) -> str:
     parts = [f"{s.get('files', 0)} files, {size(s.get('bytes', 0))} scanned"]
     comp = s.get("compressed") or {}
     if comp.get("files"):
-        parts.append(f"{size(comp['bytes_out'])} of it decompressed from {comp['files']} "
-                     f"compressed file(s) of {size(comp['bytes_in'])}")  # fmt: skip
+        parts.append(f"{size(comp['bytes_out'])} decompressed from {comp['files']} compressed "
+                     f"file(s) ({size(comp['bytes_in'])} read)")  # fmt: skip
     if s.get("encodings"):
         parts.append("decoded from " + ", ".join(s["encodings"]))
     skipped = s.get("skipped") or []

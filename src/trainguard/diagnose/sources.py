@@ -219,6 +219,7 @@ class ReadReport:
     compression: str | None = None  # gzip | bzip2 | xz | zstd, None for a plain file
     encoding: str = "utf-8"
     raw_bytes: int = 0  # compressed bytes read
+    decompressed: int = 0  # bytes the decompressor gave (what --max-mb counts for a compressed file)
     skipped: str | None = None  # why nothing was read: binary | unsupported_compression | unreadable
     partial: str | None = None  # why part was not read: over_limit | damaged | unreadable
     detail: str = ""  # the line that says it
@@ -325,6 +326,7 @@ def _guarded(blocks: Iterator[bytes], path: Path, notes: list[str], report: Read
     try:
         for b in blocks:
             produced += len(b)
+            report.decompressed = produced
             yield b
     except Damaged as exc:
         report.part("damaged", f"{path}: {exc}; read {produced / 1e6:.1f} MB before the damage", notes)

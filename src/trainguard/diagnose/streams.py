@@ -147,7 +147,7 @@ def inflate(f, kind: str, counter: list[int]) -> Iterator[bytes]:
         return
     new = _std_decompressor(kind)
     d, fed = new(), False
-    err = (zlib.error, OSError, EOFError, ValueError)
+    err = (zlib.error, lzma.LZMAError, OSError, EOFError, ValueError)
     while raw := f.read(RAW_READ):
         counter[0] += len(raw)
         while raw:
