@@ -215,3 +215,6 @@ def test_a_zstd_log_of_several_frames_is_read(tmp_path: Path):
     b.unlink()
     r = diagnose_paths([tmp_path])
     assert r["stats"]["compressed"]["bytes_out"] == len(NCCL + OOM)
+    (tmp_path / "rank-1.log.zst").write_bytes(frames[: len(frames) - 5])
+    r = diagnose_paths([tmp_path])
+    assert any("truncated zstd" in n for n in r["notes"]), r.get("notes")

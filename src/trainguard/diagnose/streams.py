@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 BLOCK = 1 << 20  # decompressed bytes per step: a bomb is inflated a block at a time
 RAW_READ = 1 << 16
+ZSTD_FEED = 1 << 10
 SNIFF = 4096
 ZSTD_HINT = "pip install zstandard"
 TEXT_ERRORS = "trainguard-latin1"
@@ -168,18 +169,29 @@ def inflate(f, kind: str, counter: list[int]) -> Iterator[bytes]:
 
 
 def _unzstd(f, counter: list[int]) -> Iterator[bytes]:
-    class Counted:
-        def read(self, n: int = -1) -> bytes:
-            b = f.read(n)
-            counter[0] += len(b)
-            return b
-
-    reader = _zstd.ZstdDecompressor().stream_reader(Counted(), read_across_frames=True)
-    try:
-        while out := reader.read(BLOCK):
-            yield out
-    except _zstd.ZstdError as exc:
-        raise Damaged(f"corrupt or truncated zstd data ({exc})") from None
+    """zstd frames one after another. The decompress object has no output bound, so it is fed
+    ZSTD_FEED bytes at a time (a frame of RLE blocks inflates at most 32768:1: 32 MB a call)."""
+    d, fed = _zstd.ZstdDecompressor().decompressobj(), False
+    while raw := f.read(RAW_READ):
+        counter[0] += len(raw)
+        for i in range(0, len(raw), ZSTD_FEED):
+            piece = raw[i : i + ZSTD_FEED]
+            while piece:
+                fed = True
+                try:
+                    out = d.decompress(piece)
+                except _zstd.ZstdError as exc:
+                    raise Damaged(f"corrupt zstd data ({exc})") from None
+                for j in range(0, len(out), BLOCK):
+                    yield out[j : j + BLOCK]
+                if not d.eof:
+                    break
+                piece, fed = d.unused_data, False
+                d = _zstd.ZstdDecompressor().decompressobj()  # the next frame, if any
+                if not piece.strip(b"\x00"):
+                    piece = b""
+    if fed:
+        raise Damaged("truncated zstd (the compressed data ends early)")
 
 
 def zstd_available() -> bool:
