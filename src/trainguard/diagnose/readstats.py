@@ -44,7 +44,9 @@ def size(n: int) -> str:
 
 def read_line(s: dict[str, Any]) -> str:
     """The closing line: ``(3 files, 12.0 MB scanned ...)``."""
-    parts = [f"{s.get('files', 0)} files, {size(s.get('bytes', 0))} scanned"]
+    files = s.get("files", 0)
+    read = s.get("files_read", files)
+    parts = [f"{files} files{f' ({read} read)' if read != files else ''}, {size(s.get('bytes', 0))} scanned"]
     comp = s.get("compressed") or {}
     if comp.get("files"):
         parts.append(f"{size(comp['bytes_out'])} decompressed from {comp['files']} compressed "

@@ -1,12 +1,16 @@
 """Find the log files behind PATH arguments and read them in big chunks, bounded.
 
-A path is a file, a directory (searched recursively for log-like files), or a glob. ``.gz`` files
-are decompressed on the fly; a truncated or corrupt one is read up to the damage (and a note says
-so). Only regular files are read from directories and globs: a FIFO, a device (a link to
-/dev/zero) or a socket is skipped with a note, since reading it could block or never end; a FIFO
-named explicitly (``<(zcat log.gz)``) is read. Each file's rank and host are guessed from its name
-(``rank-3.log``, ``attempt_0/3/stderr.log``, ``node-a/rank-0.log``, ``worker-1.log``).
-With ``max_bytes`` only the first ``HEAD_BYTES`` and the last ``max_bytes`` of a file are read.
+A path is a file, a directory (searched recursively for log-like files), or a glob. What a file
+holds is told from its first bytes (streams.py): gzip, bzip2, xz and zstd are decompressed in a
+stream, UTF-16/32 decoded, binary data skipped; a truncated or corrupt archive is read up to the
+damage. Lines end at LF, CRLF or a lone CR and are capped (linesplit.py). Every skip, cut and damage
+is said in ``notes`` and in the file's ``ReadReport``. Only regular files are read from directories
+and globs: a FIFO, a device (a link to /dev/zero) or a socket is skipped with a note, since reading
+it could block or never end; a FIFO named explicitly (``<(zcat log.gz)``) is read. Each file's rank
+and host are guessed from its name (``rank-3.log``, ``attempt_0/3/stderr.log``,
+``node-a/rank-0.log``, ``worker-1.log``). With ``max_bytes`` only the first ``HEAD_BYTES`` and the
+last ``max_bytes`` of a file's text are read (a compressed one is decompressed no further than
+``DECOMPRESS_FACTOR * max_bytes``).
 """
 
 from __future__ import annotations
