@@ -7,11 +7,22 @@ from typing import Any
 
 from trainguard.diagnose.linesplit import LINE_CAP
 
+MAX_LISTED = 100
+
+
+def _count(reasons) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in reasons:
+        out[r] = out.get(r, 0) + 1
+    return dict(sorted(out.items()))
+
 
 def read_stats(scans: list, max_bytes: int | None) -> dict[str, Any]:
     """``files_read``, ``compressed`` (files, bytes in, text out), ``skipped`` and ``partial``
     (file, reason, detail), ``lines_cut`` (lines over the line cap)."""
     comp = [s for s in scans if s.read.compression]
+    skipped = [s for s in scans if s.read.skipped]
+    partial = [s for s in scans if s.read.partial]
     return {
         "files_read": sum(1 for s in scans if s.bytes),
         "compressed": {
@@ -21,16 +32,13 @@ def read_stats(scans: list, max_bytes: int | None) -> dict[str, Any]:
             "bytes_scanned": sum(s.bytes for s in comp),
         },
         "encodings": sorted({s.read.encoding for s in scans if s.bytes and s.read.encoding != "utf-8"}),
-        "skipped": [
-            {"file": str(s.source.path), "reason": s.read.skipped, "detail": s.read.detail}
-            for s in scans
-            if s.read.skipped
-        ],
-        "partial": [
-            {"file": str(s.source.path), "reason": s.read.partial, "detail": s.read.detail}
-            for s in scans
-            if s.read.partial
-        ],
+        # listed up to MAX_LISTED files each (a run of thousands of rank logs): the counts are whole
+        "skipped": [{"file": str(s.source.path), "reason": s.read.skipped, "detail": s.read.detail}
+                    for s in skipped[:MAX_LISTED]],  # fmt: skip
+        "skipped_count": _count(s.read.skipped for s in skipped),
+        "partial": [{"file": str(s.source.path), "reason": s.read.partial, "detail": s.read.detail}
+                    for s in partial[:MAX_LISTED]],  # fmt: skip
+        "partial_count": _count(s.read.partial for s in partial),
         "lines_cut": sum(s.read.cuts.lines for s in scans),
         "line_cap": LINE_CAP,
         "max_bytes_per_file": max_bytes,
@@ -53,15 +61,12 @@ def read_line(s: dict[str, Any]) -> str:
                      f"file(s) ({size(comp['bytes_in'])} read)")  # fmt: skip
     if s.get("encodings"):
         parts.append("decoded from " + ", ".join(s["encodings"]))
-    skipped = s.get("skipped") or []
+    skipped = s.get("skipped_count") or {}
     if skipped:
-        why: dict[str, int] = {}
-        for x in skipped:
-            why[x["reason"]] = why.get(x["reason"], 0) + 1
-        parts.append(f"{len(skipped)} skipped (" + ", ".join(f"{k}: {v}" for k, v in sorted(why.items())) + ")")
-    partial = s.get("partial") or []
+        parts.append(f"{sum(skipped.values())} skipped (" + ", ".join(f"{k}: {v}" for k, v in skipped.items()) + ")")
+    partial = s.get("partial_count") or {}
     if partial:
-        parts.append(f"{len(partial)} read in part (" + ", ".join(sorted({x['reason'] for x in partial})) + ")")
+        parts.append(f"{sum(partial.values())} read in part (" + ", ".join(f"{k}: {v}" for k, v in partial.items()) + ")")
     if s.get("lines_cut"):
         parts.append(f"{s['lines_cut']} line(s) over {s.get('line_cap', LINE_CAP) >> 10} KB cut to their "
                      "first and last half")  # fmt: skip
