@@ -218,3 +218,44 @@ def test_a_zstd_log_of_several_frames_is_read(tmp_path: Path):
     (tmp_path / "rank-1.log.zst").write_bytes(frames[: len(frames) - 5])
     r = diagnose_paths([tmp_path])
     assert any("truncated zstd" in n for n in r["notes"]), r.get("notes")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_line_splitter_gives_every_line_once_whatever_the_read_boundaries(seed: int):
+    """LF, CRLF and lone CR line ends (a CR last in one read and its LF first in the next included),
+    lines over the cap kept as their first and last halves and counted, whether the bytes come
+    from a file or as blocks of any size."""
+    import io
+    import random
+    import re
+
+    from trainguard.diagnose.linesplit import HALF, LINE_CAP, Cuts, Splitter
+
+    rnd = random.Random(seed)
+    parts = []
+    for _ in range(300):
+        n = rnd.choice([0, 1, 10, 100, 5000, LINE_CAP - 1, LINE_CAP, LINE_CAP + 1, 3 * LINE_CAP])
+        parts.append(bytes(rnd.choice(b"abc \t") for _ in range(min(n, 50))) * (n // 50 + 1))
+        parts[-1] = parts[-1][:n] + rnd.choice([b"\n", b"\r\n", b"\r", b"\r\r\n"])
+    data = b"".join(parts)
+    lines = re.split(rb"\r\n|\r|\n", data)[:-1]
+    want = b"".join((x[:HALF] + x[-HALF:] if len(x) > LINE_CAP else x) + b"\n" for x in lines)
+    long = sum(len(c) + (e == b"\r\n") > LINE_CAP for c, e in re.findall(rb"([^\r\n]*)(\r\n|\r|\n)", data))
+
+    def gather(chunks) -> bytes:
+        """The lines as the scanner matches them: a line the reader kept whole (it ended within
+        one read) is cut there, to its first and last halves too."""
+        out = b"".join(bytes(c.data[: c.end]) for c in chunks).replace(b"\r\n", b"\n").split(b"\n")[:-1]
+        return b"".join((x[:HALF] + x[-HALF:] if len(x) > LINE_CAP else x) + b"\n" for x in out)
+
+    cuts = Cuts()
+    assert gather(Splitter(4096, 0, 0, cuts=cuts).file(io.BytesIO(data))) == want
+    assert cuts.lines == long
+    blocks, at = [], 0
+    while at < len(data):
+        s = rnd.choice([1, 2, 7, 4096, 70000])
+        blocks.append(data[at : at + s])
+        at += s
+    cuts = Cuts()
+    assert gather(Splitter(4096, 0, None, cuts=cuts).blocks(blocks)) == want
+    assert cuts.lines == long

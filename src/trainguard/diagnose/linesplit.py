@@ -3,10 +3,11 @@
 A line ends at ``\\n``, ``\\r\\n`` or a lone ``\\r``: a progress bar redrawn with ``\\r`` only (tqdm
 in a file) is many lines, not one line of 100 MB that hides what follows it. A lone ``\\r`` is
 turned into ``\\n`` in place (same length: file offsets stay true), so everything downstream splits
-on ``\\n`` alone. A line longer than ``LINE_CAP`` is cut: its first and last ``LINE_CAP // 2``
-bytes are kept (as two pieces: a message appended to junk is at the end), its middle is neither
-held nor matched, and ``cuts.lines`` counts it. So memory is one buffer of ``chunk + LINE_CAP``
-bytes whatever the input (a 4 GB line of one gzip bomb included).
+on ``\\n`` alone. A line longer than ``LINE_CAP`` (counting the CR of a CRLF) is cut: its first
+and last ``LINE_CAP // 2`` bytes are kept (as two pieces: a message appended to junk is at the
+end), its middle is neither held nor matched, and ``cuts.lines`` counts it. A line that ends within
+one read is handed over whole and only counted here; the scanner matches its two ends alone. So
+memory is one buffer of ``chunk + LINE_CAP`` bytes whatever the input (a 4 GB line included).
 """
 
 from __future__ import annotations
@@ -138,13 +139,14 @@ class Splitter:
         self._fix_cr(total, eof)
         if self.skipping:
             nl = self.buf.find(b"\n", 0, self.fixed)
-            if nl < 0:  # the line goes on: keep its last HALF bytes
-                keep = 0 if self.discard else HALF
+            if nl < 0:  # the line goes on: keep its last HALF bytes (and one for a CR before the LF)
+                keep = 0 if self.discard else HALF + 1
                 drop = max(0, total - keep)
                 self.cuts.bytes += 0 if self.discard else drop
                 self.have = self._drop(drop, total)
                 return
-            start = nl + 1 if self.discard else max(0, nl + 1 - HALF)
+            text_end = nl - 1 if nl and self.buf[nl - 1] == 13 else nl  # the line's last byte before CRLF/LF
+            start = nl + 1 if self.discard else max(0, text_end - HALF)
             self.cuts.bytes += 0 if self.discard else start
             total = self._drop(start, total)
             self.skipping = self.discard = False
@@ -156,12 +158,12 @@ class Splitter:
                 self.line_no += self.buf.count(b"\n", 0, end)
             total = self._drop(end, total)
         self.have = total
-        if total > LINE_CAP:  # a line longer than the cap: its head now, its tail when it ends
+        if self.fixed > LINE_CAP:  # a line longer than the cap: its head now, its tail when it ends
             self.cuts.lines += 1
             yield Chunk(self.buf, self.line_no, self.at, end=HALF)
             self.skipping = True
-            self.have = self._drop(max(0, total - HALF), total)
-            self.cuts.bytes += max(0, total - 2 * HALF)
+            self.have = self._drop(max(0, total - HALF - 1), total)
+            self.cuts.bytes += max(0, total - 2 * HALF - 1)
 
     def finish(self) -> Iterator[Chunk]:
         """The end of the data: the last line, even without its newline."""
