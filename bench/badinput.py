@@ -48,6 +48,7 @@ class Case:
     # after the command: None when what it must leave alone is as it was, else what is wrong
     after: Callable[[Path], str | None] | None = None
     serve: tuple[str, ...] = ()  # a dashboard case: these paths are fetched, then the server is stopped
+    says: str = ""  # text the output must hold (a diagnose case's verdict or note)
 
 
 def _garbage_db(d: Path) -> None:
@@ -506,6 +507,140 @@ OTHER_CASES: list[Case] = [
     Case("diagnose: a directory tree 2,000 levels deep", ("diagnose", "{d}/deep"), _deep_tree, expect="answer"),
 ]
 
+# diagnose: encodings, compression, limits
+_DI_OOM = ("2026-11-21T09:30:01.000000 [rank1]:   File \"/workspace/train.py\", line 88, in <module>\n"
+           "2026-11-21T09:30:02.000000 [rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+_DI_NCCL = ("2026-11-20T10:10:15.200000 [rank1]: [rank1]:[E1120 10:10:15.200000 ProcessGroupNCCL.cpp:607] [Rank 1] "
+            "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3011, OpType=ALLREDUCE, NumelIn=1, "
+            "NumelOut=1, Timeout(ms)=600000) ran for 600021 milliseconds before timing out.\n")
+_DI_FILLER = "".join(f"2026-11-21T09:{i // 600 % 60:02d}:{i % 60:02d}.000000 [rank0]: step={i} loss=2.1\n" for i in range(20000))
+_DI_ZSTD = __import__("importlib.util").util.find_spec("zstandard") is not None
+
+
+def _di_write(name: str, data: bytes | Callable[[], bytes]) -> Callable[[Path], None]:
+    return lambda d: (d / name).write_bytes(data() if callable(data) else data)
+
+
+def _di_comp(kind: str, text: str) -> Callable[[], bytes]:
+    import bz2
+    import gzip
+    import lzma
+
+    return lambda: {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[kind](text.encode())
+
+
+def _di_cut(kind: str) -> Callable[[], bytes]:
+    whole = _di_comp(kind, _DI_OOM + _DI_FILLER)
+    return lambda: whole()[: len(whole()) // 2]
+
+
+def _di_zst(text: str) -> bytes:
+    """One zstd frame with one raw block, made by hand (no zstandard module needed to write it)."""
+    data = text.encode()
+    return b"\x28\xb5\x2f\xfd\x60" + (len(data) - 256).to_bytes(2, "little") + ((len(data) << 3) | 1).to_bytes(3, "little") + data
+
+
+def _di_cr_flood(d: Path) -> None:
+    bar = "".join(f"\r 45%|####5     | {i}/1000 [00:{i % 60:02d}<01:10,  7.12it/s]" for i in range(1000)).encode()
+    with open(d / "rank-1.log", "wb") as f:
+        for _ in range((20 << 20) // len(bar)):
+            f.write(bar)
+        f.write(_DI_OOM.replace("\n", "\r").encode())
+
+
+def _di_bomb(d: Path, size: int = 1 << 30) -> None:
+    """The OOM, then ``size`` bytes of "a" on one line, gzipped: a block compressed after a full
+    flush is the same bytes every time, so it is written again instead of compressing 1 GB."""
+    import zlib
+
+    block = b"a" * (16 << 20)
+    c = zlib.compressobj(1, zlib.DEFLATED, 31)
+    head = _DI_OOM.encode()
+    first, piece, crc = c.compress(head) + c.flush(zlib.Z_FULL_FLUSH), c.compress(block) + c.flush(zlib.Z_FULL_FLUSH), zlib.crc32(head)
+    with open(d / "rank-1.log.gz", "wb") as f:
+        f.write(first)
+        for _ in range(size // len(block)):
+            f.write(piece)
+            crc = zlib.crc32(block, crc)
+        f.write(c.flush())
+        f.seek(-8, 2)
+        f.write(crc.to_bytes(4, "little") + ((len(head) + size) & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
+def _di_mixed(d: Path) -> None:
+    import gzip
+
+    (d / "logs").mkdir()
+    (d / "logs" / "rank-0.log.gz").write_bytes(gzip.compress(_DI_FILLER.encode()))
+    (d / "logs" / "rank-1.log").write_bytes(b"\xff\xfe" + _DI_OOM.encode("utf-16-le"))
+    (d / "logs" / "core.log").write_bytes(bytes(range(256)) * 64)
+    (d / "logs" / "old.log.zst").write_bytes(_di_zst(_DI_FILLER[:300]))
+
+
+CASES += [
+    Case("diagnose: UTF-16 LE log with a BOM", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"\xff\xfe" + _DI_OOM.encode("utf-16-le")), expect="answer", says="cuda_oom"),
+    Case("diagnose: UTF-16 BE log without a BOM", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", _DI_OOM.encode("utf-16-be")), expect="answer", says="cuda_oom"),
+    Case("diagnose: UTF-16 log cut mid-unit", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", _DI_OOM.encode("utf-16-le") + b"\x41"), expect="answer", says="cuda_oom"),
+    Case("diagnose: UTF-32 BE log with a BOM", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"\x00\x00\xfe\xff" + _DI_NCCL.encode("utf-32-be")), expect="answer", says="nccl_timeout"),
+    Case("diagnose: UTF-32 LE log without a BOM", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", _DI_OOM.encode("utf-32-le")), expect="answer", says="cuda_oom"),
+    Case("diagnose: UTF-8 log with a BOM", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"\xef\xbb\xbf" + _DI_OOM.encode()), expect="answer", says="cuda_oom"),
+    Case("diagnose: Latin-1 bytes in a log", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", ("d\xe9but\n" + _DI_OOM).encode("latin-1")), expect="answer", says="cuda_oom"),
+    Case("diagnose: NUL hole before the log (copytruncate)", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"\x00" * (8 << 20) + _DI_OOM.encode()), expect="answer", says="cuda_oom"),
+    Case("diagnose: a file of NUL bytes only", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"\x00" * (1 << 20)), expect="answer", says="scanned"),
+    Case("diagnose: gzip named .log", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", _di_comp("gz", _DI_OOM)), expect="answer", says="cuda_oom"),
+    Case("diagnose: a .gz that is plain text", ("diagnose", "{d}/rank-1.log.gz"),
+         _di_write("rank-1.log.gz", _DI_OOM.encode()), expect="answer", says="read as plain text"),
+    Case("diagnose: bzip2 log", ("diagnose", "{d}/rank-1.log.bz2"),
+         _di_write("rank-1.log.bz2", _di_comp("bz2", _DI_OOM)), expect="answer", says="cuda_oom"),
+    Case("diagnose: xz log", ("diagnose", "{d}/rank-1.log.xz"),
+         _di_write("rank-1.log.xz", _di_comp("xz", _DI_NCCL)), expect="answer", says="nccl_timeout"),
+    Case("diagnose: zstd log", ("diagnose", "{d}/rank-1.log.zst"), _di_write("rank-1.log.zst", _di_zst(_DI_OOM + _DI_FILLER[:200])),
+         expect="answer", says="cuda_oom" if _DI_ZSTD else "pip install zstandard"),
+    Case("diagnose: truncated xz", ("diagnose", "{d}/rank-1.log.xz"),
+         _di_write("rank-1.log.xz", _di_cut("xz")), expect="answer", says="truncated xz"),
+    Case("diagnose: truncated bzip2", ("diagnose", "{d}/rank-1.log.bz2"),
+         _di_write("rank-1.log.bz2", _di_cut("bz2")), expect="answer", says="truncated bzip2"),
+    Case("diagnose: gzip of several members", ("diagnose", "{d}/rank-1.log.gz"),
+         _di_write("rank-1.log.gz", lambda: _di_comp("gz", _DI_FILLER)() + _di_comp("gz", _DI_OOM)()), expect="answer", says="cuda_oom"),
+    Case("diagnose: gzip padded with NUL bytes", ("diagnose", "{d}/rank-1.log.gz"),
+         _di_write("rank-1.log.gz", lambda: _di_comp("gz", _DI_OOM)() + b"\x00" * 4096), expect="answer", says="cuda_oom"),
+    Case("diagnose: empty .gz", ("diagnose", "{d}/rank-1.log.gz"), _di_write("rank-1.log.gz", _di_comp("gz", "")),
+         expect="answer", says="no_logs"),
+    Case("diagnose: empty .xz", ("diagnose", "{d}/rank-1.log.xz"), _di_write("rank-1.log.xz", _di_comp("xz", "")),
+         expect="answer", says="no_logs"),
+    Case("diagnose: zero-byte .bz2", ("diagnose", "{d}/rank-1.log.bz2"), _di_write("rank-1.log.bz2", b""),
+         expect="answer", says="no_logs"),
+    Case("diagnose: xz with garbage after it", ("diagnose", "{d}/rank-1.log.xz"),
+         _di_write("rank-1.log.xz", lambda: _di_comp("xz", _DI_OOM)() + b"garbage"), expect="answer", says="cuda_oom"),
+    Case("diagnose: gzip holding UTF-16", ("diagnose", "{d}/rank-1.log.gz"),
+         _di_write("rank-1.log.gz", lambda: __import__("gzip").compress(b"\xff\xfe" + _DI_NCCL.encode("utf-16-le"))),
+         expect="answer", says="nccl_timeout"),
+    Case("diagnose: gzip holding binary data", ("diagnose", "{d}/rank-1.log.gz"),
+         _di_write("rank-1.log.gz", lambda: __import__("gzip").compress(bytes(range(256)) * 64)), expect="answer", says="binary data"),
+    Case("diagnose: a zip archive named .log", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"PK\x03\x04" + b"\x00" * 60), expect="answer", says="zip archive"),
+    Case("diagnose: lz4 data", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"\x04\x22\x4d\x18" + b"\x00" * 60), expect="answer", says="lz4"),
+    Case("diagnose: 20 MB progress bar redrawn with CR only", ("diagnose", "{d}/rank-1.log"), _di_cr_flood,
+         expect="answer", says="cuda_oom"),
+    Case("diagnose: gzip bomb 1 GB on one line, --max-mb 4", ("diagnose", "--max-mb", "4", "{d}/rank-1.log.gz"), _di_bomb,
+         expect="answer", says="stopped after"),
+    Case("diagnose: a 30 MB line then the OOM", ("diagnose", "{d}/rank-1.log"),
+         _di_write("rank-1.log", b"a" * (30 << 20) + b"\n" + _DI_OOM.encode()), expect="answer", says="cut to their first and last half"),
+    Case("diagnose: a directory of mixed forms", ("diagnose", "{d}/logs"), _di_mixed, expect="answer", says="cuda_oom"),
+]
+# end of diagnose: encodings, compression, limits
+
 CASES += TRACE_TARGETS + OTHER_CASES + _flag_cases() + _damage_cases()
 
 
@@ -556,6 +691,8 @@ def run_case(case: Case, time_limit_s: float = TIME_LIMIT_S) -> Result:
             rc = None
         if problem is None and case.after is not None and rc is not None:
             problem = case.after(d)
+        if problem is None and case.says and rc is not None and case.says not in out:
+            problem = f"the output does not say {case.says!r}"
         lines = (err.strip() or (first + out).strip()).splitlines()
         return Result(case, classify(rc, first + out, err), rc, problem or (lines[-1] if lines else ""), problem)
     finally:

@@ -48,10 +48,12 @@ def test_truncated_gz_is_read_up_to_the_cut_and_says_so(tmp_path: Path):
     assert "truncated gzip" in text.stdout and "cuda_oom" in text.stdout
 
 
-def test_a_gz_that_is_not_gzip_gives_an_answer_and_a_note(tmp_path: Path):
-    (tmp_path / "rank-0.log.gz").write_bytes(b"this is not gzip data at all\n" * 10)
+def test_a_gz_that_is_not_gzip_is_read_as_text_with_a_note(tmp_path: Path):
+    """The magic bytes decide, not the name: a log saved decompressed under its .gz name is read."""
+    (tmp_path / "rank-0.log.gz").write_bytes(b"this is not gzip data at all\n" * 10 + OOM.encode())
     r = diagnose_paths([tmp_path])
-    assert r["category"] == "no_logs" and any("rank-0.log.gz" in n for n in r["notes"])  # nothing read: not "healthy"
+    assert r["category"] == "cuda_oom", r
+    assert any("rank-0.log.gz" in n and "read as plain text" in n for n in r["notes"])
 
 
 def test_special_files_in_a_directory_are_skipped_not_read(tmp_path: Path):

@@ -53,6 +53,7 @@ def diagnose_paths(
     built-in ones (bench/diagnose_accuracy.py scores families without the rules fitted to them)."""
     from trainguard.diagnose.analyze import analyze, say_confidence
     from trainguard.diagnose.failures import failure_hits, oom_hits, read_error_files
+    from trainguard.diagnose.readstats import read_stats
     from trainguard.diagnose.sources import describe, error_files, expand
 
     rules, scanner = shared_scanner(extra_rules, engine) if ruleset is None else own_scanner(ruleset, engine)
@@ -93,6 +94,7 @@ def diagnose_paths(
         result["notes"] = notes
     result["stats"] = {
         "files": len(scans),
+        **read_stats(scans, max_bytes_per_file),
         "bytes": sum(s.bytes for s in scans),
         "hits": sum(len(s.hits) for s in scans),
         "dropped_hits": sum(s.dropped_hits for s in scans),

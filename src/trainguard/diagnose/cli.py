@@ -10,16 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.detect.slowdown import DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from trainguard.diagnose.readstats import read_line
 from trainguard.options import positive, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", metavar="PATH", help="log files, directories, globs (.gz too)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files, directories, globs (.gz .bz2 .xz .zst, UTF-8/16/32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--rules", action="append", type=Path, default=[], metavar="FILE",
                    help="extra rules file (TOML, same format as the built-in rules); repeatable")  # fmt: skip
     p.add_argument("--max-mb", type=positive, default=None, metavar="MB",
-                   help="read only the first 1 MB and the last MB of each file")  # fmt: skip
+                   help="read only the first 1 MB and the last MB of each file's text (after decompression; "
+                        "a compressed file is decompressed no further than 16 x MB)")  # fmt: skip
     p.add_argument(
         "--window", type=positive_int, default=DEFAULT_WINDOW, help="slowdown smoothing window (iterations)"
     )
@@ -88,8 +90,9 @@ def render(r: dict[str, Any]) -> str:
         out.append(f"fix: {r['fix']}")
     for n in r.get("notes", []):
         out.append(f"note: {n}")
-    s = r.get("stats", {})
-    out.append(f"({s.get('files', 0)} files, {s.get('bytes', 0) / 1e6:.1f} MB scanned)")
+    out += [f"read in part: {p['detail']}" for p in r.get("stats", {}).get("partial", [])
+            if p["reason"] == "over_limit" and p["detail"] not in r.get("notes", [])][:8]  # fmt: skip
+    out.append(read_line(r.get("stats", {})))
     return "\n".join(out)
 
 

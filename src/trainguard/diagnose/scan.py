@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 
 from trainguard.diagnose.attribution import Attribution, Who
 from trainguard.diagnose.lines import _NCCL_HOST, LineInfo, parse_line, rank_in_text
+from trainguard.diagnose.linesplit import HALF, LINE_CAP
 from trainguard.diagnose.lookback import Clock
 from trainguard.diagnose.nanwatch import NanWatch
 from trainguard.diagnose.prefilter import Prefilter
 from trainguard.diagnose.progress import DATA_BAR, Step, step_of
 from trainguard.diagnose.rules import TAIL_TAGS, Rule, RuleSet
-from trainguard.diagnose.sources import Source, read_chunks
+from trainguard.diagnose.sources import ReadReport, Source, read_chunks
 from trainguard.diagnose.steplog import StepTimer, parse_step
+from trainguard.diagnose.streams import TEXT_ERRORS
 
 TAIL_BYTES = 256 << 10
 WAIT_FRAME_LINES = 12  # an interrupt at most this many lines after a collective frame ends that traceback
@@ -84,6 +86,7 @@ class SourceScan:
     last_metric_at: int | None = None  # ... of the last line reporting a loss/accuracy value (any format)
     progress_at: list[tuple[int, int | None]] = field(default_factory=list)  # (file offset, rank) of progress lines in the tail
     notes: list[str] = field(default_factory=list)  # what could not be read, and why
+    read: ReadReport = field(default_factory=ReadReport)  # how the file was read (compression, skips, cuts)
     clock: Clock = field(default_factory=Clock)  # the last logged time and a later look (lookback.py)
     stalled: set[int] = field(default_factory=set)  # ranks a stall inspector names as the ones not submitting
     ready: set[int] = field(default_factory=set)  # ranks a stall inspector names as ready (the others are missing)
@@ -102,7 +105,7 @@ class SourceScan:
 
 
 def _decode(b: bytes) -> str:
-    return b[: MAX_LINE * 2].decode("utf-8", errors="replace")[:MAX_LINE].replace("\x00", "")
+    return b[: MAX_LINE * 2].decode("utf-8", errors=TEXT_ERRORS)[:MAX_LINE].replace("\x00", "")
 
 
 def context_before(path: str, offset: int, lines: int = 8, reach: int = 8192) -> list[str]:
@@ -113,7 +116,7 @@ def context_before(path: str, offset: int, lines: int = 8, reach: int = 8192) ->
             data = f.read(min(offset, reach))
     except OSError:
         return []
-    text = data.decode("utf-8", errors="replace").split("\n")
+    text = data.decode("utf-8", errors=TEXT_ERRORS).splitlines()  # a lone CR ends a line too
     if offset > reach:
         text = text[1:]
     return [t[:MAX_LINE] for t in text if t.strip()][-lines:]
@@ -177,14 +180,19 @@ class Scanner:
         """(text, windowed) pieces of one candidate line to match: the line, or keyword windows of it."""
         if len(raw) <= MAX_LINE:
             return [(_decode(raw).rstrip("\r"), False)]
+        if len(raw) > LINE_CAP:  # the line cap: only its first and last HALF bytes are matched
+            return self._windows(raw[:HALF]) + self._windows(raw[-HALF:], cut=True)
+        return self._windows(raw)
+
+    def _windows(self, raw: bytes, cut: bool = False) -> list[tuple[str, bool]]:
         out, last_end = [], -1
         for pos in self.prefilter.positions(raw, MAX_WINDOWS):
             lo = max(0, pos - MAX_LINE // 2)
             if lo < last_end:
                 continue
             last_end = lo + MAX_LINE
-            text = raw[lo:last_end].decode("utf-8", errors="replace").replace("\x00", "")
-            out.append(("…" + text + "…" if lo else text + "…", True))
+            text = raw[lo:last_end].decode("utf-8", errors=TEXT_ERRORS).replace("\x00", "")
+            out.append(("…" + text + "…" if lo or cut else text + "…", True))
         return out
 
     def scan(self, source: Source, max_bytes: int | None = None) -> SourceScan:
@@ -196,7 +204,7 @@ class Scanner:
         tail_len = 0
         order = 0
         end_offset: int | None = None  # where the last chunk ends in the file (None: not known, .gz)
-        for chunk in read_chunks(source.path, max_bytes, out.notes):
+        for chunk in read_chunks(source.path, max_bytes, out.notes, out.read):
             buf, size = chunk.data, chunk.end  # buf is used again for the next chunk: copy what is kept
             end_offset = None if chunk.offset is None else chunk.offset + size
             if out.bytes == 0:  # the log's own year dates glog/syslog lines (they have none)
@@ -350,7 +358,7 @@ class Scanner:
         for at, m in enumerate(re.finditer(rb"[^\r\n]+", data)):
             if m.end() - m.start() > MAX_LINE:
                 continue
-            raw = m.group().decode("utf-8", errors="replace")
+            raw = m.group().decode("utf-8", errors=TEXT_ERRORS)
             info = parse_line(raw, year)
             msg = info.message
             rank = info.rank if info.rank is not None else src.rank

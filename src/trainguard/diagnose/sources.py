@@ -1,12 +1,16 @@
 """Find the log files behind PATH arguments and read them in big chunks, bounded.
 
-A path is a file, a directory (searched recursively for log-like files), or a glob. ``.gz`` files
-are decompressed on the fly; a truncated or corrupt one is read up to the damage (and a note says
-so). Only regular files are read from directories and globs: a FIFO, a device (a link to
-/dev/zero) or a socket is skipped with a note, since reading it could block or never end; a FIFO
-named explicitly (``<(zcat log.gz)``) is read. Each file's rank and host are guessed from its name
-(``rank-3.log``, ``attempt_0/3/stderr.log``, ``node-a/rank-0.log``, ``worker-1.log``).
-With ``max_bytes`` only the first ``HEAD_BYTES`` and the last ``max_bytes`` of a file are read.
+A path is a file, a directory (searched recursively for log-like files), or a glob. What a file
+holds is told from its first bytes (streams.py): gzip, bzip2, xz and zstd are decompressed in a
+stream, UTF-16/32 decoded, binary data skipped; a truncated or corrupt archive is read up to the
+damage. Lines end at LF, CRLF or a lone CR and are capped (linesplit.py). Every skip, cut and damage
+is said in ``notes`` and in the file's ``ReadReport``. Only regular files are read from directories
+and globs: a FIFO, a device (a link to /dev/zero) or a socket is skipped with a note, since reading
+it could block or never end; a FIFO named explicitly (``<(zcat log.gz)``) is read. Each file's rank
+and host are guessed from its name (``rank-3.log``, ``attempt_0/3/stderr.log``,
+``node-a/rank-0.log``, ``worker-1.log``). With ``max_bytes`` only the first ``HEAD_BYTES`` and the
+last ``max_bytes`` of a file's text are read (a compressed one is decompressed no further than
+``DECOMPRESS_FACTOR * max_bytes``).
 """
 
 from __future__ import annotations
@@ -17,16 +21,33 @@ import os
 import re
 import stat
 import time
-import zlib
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from trainguard.diagnose.linesplit import Chunk, Cuts, Splitter
+from trainguard.diagnose.streams import (
+    COMPRESSED_SUFFIXES,
+    SNIFF,
+    UNSUPPORTED,
+    ZSTD_HINT,
+    Damaged,
+    compression_of,
+    encoding_of,
+    file_blocks,
+    inflate,
+    peek,
+    transcode,
+    zstd_available,
+)
+
+__all__ = ["Chunk", "Cuts", "ReadReport", "Source", "SourceError", "describe", "error_files", "expand", "read_chunks"]
 
 CHUNK = 8 << 20
 HEAD_BYTES = 1 << 20
-LOG_SUFFIXES = {".log", ".txt", ".out", ".err", ".gz", ".jsonl", ".dmesg", ".stdout", ".stderr", ""}
-GZ_READ = 1 << 20
+LOG_SUFFIXES = {".log", ".txt", ".out", ".err", ".jsonl", ".dmesg", ".stdout", ".stderr", ""} | set(COMPRESSED_SUFFIXES)
+DECOMPRESS_FACTOR = 16  # with --max-mb M a compressed file is decompressed no further than 16 * M
 _RANK_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)(?:\D|$)", re.I)
 _HOSTY = re.compile(r"(?i)^(?:.*(?:node|worker|host|pod|master|gpu|server)[\w.-]*|[a-z][\w-]*-\d+)$")
 _GENERIC = {"stdout", "stderr", "log", "logs", "train", "output", "console", "err", "out"}
@@ -48,7 +69,7 @@ class Source:
 
 
 def _stem(p: Path) -> str:
-    name = p.name[:-3] if p.name.endswith(".gz") else p.name
+    name = p.name[: -len(p.suffix)] if p.suffix.lower() in COMPRESSED_SUFFIXES else p.name
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
@@ -81,8 +102,7 @@ def describe(path: Path) -> Source:
 
 
 def _is_log(p: Path) -> bool:
-    suffix = p.suffix.lower() if not p.name.endswith(".gz") else ".gz"
-    return suffix in LOG_SUFFIXES and not p.name.startswith(".")
+    return p.suffix.lower() in LOG_SUFFIXES and not p.name.startswith(".")
 
 
 def _kind(mode: int) -> str:
@@ -197,47 +217,177 @@ def error_files(paths: list[Path]) -> list[Path]:
 
 
 @dataclass
-class Chunk:
-    """Whole lines: ``data[:end]`` (the last line may lack its newline). For plain files ``data`` is
-    one buffer the reader fills again for the next chunk: copy what you keep."""
+class ReadReport:
+    """How one file was read and what of it was not (``diagnose --json``'s stats)."""
 
-    data: bytes | bytearray
-    start_line: int | None  # 0-based line number of the first line, None when not known (tail reads)
-    offset: int | None = None  # byte offset of data in the file (None for .gz)
-    end: int = -1  # the length of the valid data; -1: all of it
+    compression: str | None = None  # gzip | bzip2 | xz | zstd, None for a plain file
+    encoding: str = "utf-8"
+    raw_bytes: int = 0  # compressed bytes read
+    decompressed: int = 0  # bytes the decompressor gave (what --max-mb counts for a compressed file)
+    skipped: str | None = None  # why nothing was read: binary | unsupported_compression | unreadable
+    partial: str | None = None  # why part was not read: over_limit | damaged | unreadable
+    detail: str = ""  # the line that says it
+    cuts: Cuts = field(default_factory=Cuts)
 
-    def __post_init__(self) -> None:
-        if self.end < 0:
-            self.end = len(self.data)
+    def skip(self, reason: str, detail: str, notes: list[str]) -> None:
+        self.skipped, self.detail = reason, detail
+        notes.append(detail)
+
+    def part(self, reason: str, detail: str, notes: list[str] | None) -> None:
+        self.partial, self.detail = reason, detail
+        if notes is not None:
+            notes.append(detail)
 
 
-def read_chunks(path: Path, max_bytes: int | None = None, notes: list[str] | None = None) -> Iterator[Chunk]:
-    """Whole-line chunks of a file. Never raises for unreadable or corrupt data: it stops there and
-    says why in ``notes``."""
+def read_chunks(
+    path: Path, max_bytes: int | None = None, notes: list[str] | None = None, report: ReadReport | None = None
+) -> Iterator[Chunk]:
+    """Whole-line chunks of a file's text (decompressed, as UTF-8). Never raises for unreadable,
+    corrupt or binary data: it stops there and says why in ``notes`` and ``report``."""
     notes = notes if notes is not None else []
-    if path.name.endswith(".gz"):
-        yield from _lines_of(_gz_blocks(path, max_bytes, notes), first_line=0 if max_bytes is None else None)
-        return
+    report = report if report is not None else ReadReport()
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed in finally
     except OSError as exc:
-        notes.append(f"could not read {path}: {exc.strerror or exc}")
+        report.skip("unreadable", f"could not read {path}: {exc.strerror or exc}", notes)
         return
     try:
-        st = os.fstat(f.fileno())
-        size = st.st_size if stat.S_ISREG(st.st_mode) else 0
-        if max_bytes is not None and size > HEAD_BYTES + max_bytes:
-            yield from _file_chunks(f, 0, HEAD_BYTES, first_line=0, expect=HEAD_BYTES)
-            yield from _file_chunks(
-                f, size - max_bytes, None, first_line=None, skip_partial=True, expect=max_bytes
-            )
-        else:
-            yield from _file_chunks(f, 0, None, first_line=0, known_offsets=bool(size), expect=size or None)
+        yield from _read_open(f, path, max_bytes, notes, report)
     except OSError as exc:
-        notes.append(f"read error in {path}: {exc.strerror or exc}; read up to there")
-        return
+        report.part("unreadable", f"read error in {path}: {exc.strerror or exc}; read up to there", notes)
     finally:
         f.close()
+
+
+def _read_open(f, path: Path, max_bytes: int | None, notes: list[str], report: ReadReport) -> Iterator[Chunk]:
+    head = f.peek(SNIFF)[:SNIFF]
+    kind = compression_of(head)
+    named = COMPRESSED_SUFFIXES.get(path.suffix.lower())
+    if kind is None and named and head:
+        notes.append(f"{path}: named {path.suffix} but holds no {named} data; read as plain text")
+    if kind in UNSUPPORTED:
+        report.skip("unsupported_compression", f"skipped {path}: {UNSUPPORTED[kind]}", notes)
+        return
+    if kind == "zstd" and not zstd_available():
+        report.skip("unsupported_compression", f"skipped {path}: zstd-compressed; `{ZSTD_HINT}` to read it", notes)
+        return
+    if kind is not None:
+        report.compression = kind
+        yield from _compressed(f, path, kind, max_bytes, notes, report)
+        return
+    enc, bom = encoding_of(head)
+    report.encoding = enc
+    if enc == "binary":
+        report.skip("binary", f"skipped {path}: binary data, not a text log", notes)
+        return
+    st = os.fstat(f.fileno())
+    size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+    over = max_bytes is not None and size > HEAD_BYTES + max_bytes
+    if over:
+        report.part("over_limit", f"{path}: read its first {HEAD_BYTES / 1e6:.1f} MB and last "
+                    f"{max_bytes / 1e6:.1f} MB of {size / 1e6:.1f} MB (--max-mb)", None)  # fmt: skip
+    if enc == "utf-8":
+        yield from _plain(f, bom, size, max_bytes if over else None, report.cuts)
+    else:
+        yield from _transcoded(f, enc, bom, size, max_bytes if over else None, report.cuts)
+
+
+def _plain(f, bom: int, size: int, max_bytes: int | None, cuts: Cuts) -> Iterator[Chunk]:
+    if bom and not f.seekable():
+        f.read(bom)
+    if max_bytes is not None:
+        yield from _file_chunks(f, bom, HEAD_BYTES - bom, first_line=0, expect=HEAD_BYTES, cuts=cuts)
+        yield from _file_chunks(f, size - max_bytes, None, first_line=None, skip_partial=True, expect=max_bytes,
+                                cuts=cuts)  # fmt: skip
+    else:
+        yield from _file_chunks(f, bom, None, first_line=0, known_offsets=bool(size), expect=size or None, cuts=cuts)
+
+
+def _transcoded(f, enc: str, bom: int, size: int, max_bytes: int | None, cuts: Cuts) -> Iterator[Chunk]:
+    """UTF-16/32 text: decoded in a stream (no file offsets); with max_bytes its head and its tail,
+    the tail read from a code-unit boundary."""
+    if max_bytes is None:
+        yield from _split(transcode(file_blocks(f, 0), enc, bom), 0, cuts=cuts)
+        return
+    unit = 4 if "32" in enc else 2
+    yield from _split(transcode(file_blocks(f, 0, HEAD_BYTES), enc, bom), 0, cuts=cuts)
+    tail = transcode(file_blocks(f, (size - max_bytes) // unit * unit), enc, 0)
+    yield from _split(tail, None, skip_partial=True, cuts=cuts)
+
+
+def _split(blocks: Iterator[bytes], first_line: int | None, skip_partial: bool = False,
+           cuts: Cuts | None = None) -> Iterator[Chunk]:  # fmt: skip
+    sp = Splitter(CHUNK, first_line, None, skip_partial=skip_partial, cuts=cuts)
+    try:
+        yield from sp.blocks(blocks)
+    finally:
+        sp.close()
+
+
+def _guarded(blocks: Iterator[bytes], path: Path, notes: list[str], report: ReadReport) -> Iterator[bytes]:
+    """The blocks up to where the compressed data is damaged; a note says where."""
+    produced = 0
+    try:
+        for b in blocks:
+            produced += len(b)
+            report.decompressed = produced
+            yield b
+    except Damaged as exc:
+        report.part("damaged", f"{path}: {exc}; read {produced / 1e6:.1f} MB before the damage", notes)
+
+
+def _compressed(f, path: Path, kind: str, max_bytes: int | None, notes: list[str], report: ReadReport) -> Iterator[Chunk]:
+    counter = [0]
+    try:
+        head, blocks = peek(_guarded(inflate(f, kind, counter), path, notes, report), SNIFF)
+        enc, bom = encoding_of(head)
+        report.encoding = enc
+        if enc == "binary":
+            report.skip("binary", f"skipped {path}: binary data after {kind} decompression, not a text log", notes)
+            return
+        yield from _head_tail(transcode(blocks, enc, bom), path, max_bytes, notes, report)
+    finally:
+        report.raw_bytes = counter[0]
+
+
+def _head_tail(blocks: Iterator[bytes], path: Path, max_bytes: int | None, notes: list[str],
+               report: ReadReport) -> Iterator[Chunk]:  # fmt: skip
+    """A compressed file's text; with max_bytes its first HEAD_BYTES and its last max_bytes, and it
+    is decompressed no further than DECOMPRESS_FACTOR * max_bytes (a bomb stops there)."""
+    head = Splitter(CHUNK, 0, None, cuts=report.cuts)
+    if max_bytes is None:
+        yield from head.blocks(blocks)
+        head.close()
+        return
+    budget = HEAD_BYTES + DECOMPRESS_FACTOR * max_bytes
+    ring: deque[bytes] = deque()
+    seen = kept = dropped = 0
+    for b in blocks:
+        if seen < HEAD_BYTES:
+            part = b[: HEAD_BYTES - seen]
+            yield from head.feed(part)
+            seen, b = seen + len(part), b[len(part) :]
+        if b:
+            ring.append(b)
+            seen, kept = seen + len(b), kept + len(b)
+            while kept - len(ring[0]) >= max_bytes:
+                dropped += len(ring[0])
+                kept -= len(ring.popleft())
+        if seen >= budget:
+            report.part("over_limit", f"{path}: stopped after {seen / 1e6:.1f} MB of decompressed text "
+                        f"({DECOMPRESS_FACTOR} x --max-mb) without reaching its end; read its first "
+                        f"{HEAD_BYTES / 1e6:.1f} MB and the {kept / 1e6:.1f} MB before the stop", notes)  # fmt: skip
+            break
+    if not dropped:
+        yield from head.blocks(ring)
+        head.close()
+        return
+    yield from head.finish()
+    head.close()
+    if report.partial is None:
+        report.part("over_limit", f"{path}: read the first {HEAD_BYTES / 1e6:.1f} MB and the last "
+                    f"{kept / 1e6:.1f} MB of {seen / 1e6:.1f} MB of decompressed text (--max-mb)", None)  # fmt: skip
+    yield from _split(iter(ring), None, skip_partial=True, cuts=report.cuts)
 
 
 def _file_chunks(
@@ -248,143 +398,17 @@ def _file_chunks(
     skip_partial: bool = False,
     known_offsets: bool = True,
     expect: int | None = None,
+    cuts: Cuts | None = None,
 ) -> Iterator[Chunk]:
     """Whole-line chunks of an open plain file (or FIFO), read into one buffer used again for each
     chunk: a fresh 8 MB ``bytes`` per read costs the kernel 2,048 new zeroed pages, and the copies
     that join a carried partial line to the next read as many again (a third of the scan's time).
     ``expect`` (the bytes the file should give) keeps the buffer small for small files; it grows if
     a live file grows."""
-    if offset:
+    if offset and f.seekable():
         f.seek(offset)
-    at: int | None = offset if known_offsets else None
-    left = limit
-    if skip_partial:  # a tail read starts mid-line: skip to the next line
-        while True:
-            part = f.readline(CHUNK)
-            at = None if at is None else at + len(part)
-            left = None if left is None else left - len(part)
-            if not part or part.endswith(b"\n"):
-                break
-    buf = bytearray(2 * CHUNK if expect is None else min(2 * CHUNK, expect + 1))
-    view = memoryview(buf)
-    have = 0  # the start of a line carried over from the last read (it holds no newline)
-    line_no = first_line
+    sp = Splitter(CHUNK, first_line, offset if known_offsets else None, expect, skip_partial, cuts)
     try:
-        while True:
-            want = CHUNK if left is None else min(CHUNK, left)
-            if have + want > len(buf) and have < len(buf):
-                want = len(buf) - have  # a small buffer for a small file
-            elif have + want > len(buf):  # the file gave more than expected (it grows): grow
-                grown = bytearray(2 * CHUNK)
-                grown[:have] = view[:have]
-                view.release()
-                buf, view = grown, memoryview(grown)
-            n = (f.readinto(view[have : have + want]) or 0) if want > 0 else 0
-            left = None if left is None else left - n
-            total = have + n
-            if n == 0:
-                if total:
-                    yield Chunk(buf, line_no, at, end=total)
-                return
-            cut = buf.rfind(b"\n", have, total)
-            if cut < 0:
-                if total >= CHUNK:  # a giant line: hand it over as it is rather than grow forever
-                    yield Chunk(buf, line_no, at, end=total)  # the next chunk goes on with this line
-                    at = None if at is None else at + total
-                    have = 0
-                else:
-                    have = total
-                continue
-            end = cut + 1
-            yield Chunk(buf, line_no, at, end=end)
-            if line_no is not None:
-                line_no += buf.count(b"\n", 0, end)
-            at = None if at is None else at + end
-            have = total - end
-            if have:
-                buf[:have] = bytes(view[end:total])
+        yield from sp.file(f, limit)
     finally:
-        view.release()
-
-
-def _gunzip(path: Path, notes: list[str]) -> Iterator[bytes]:
-    """Decompressed blocks of a gzip file (several members too), as far as the data goes: a file cut
-    short yields everything before the cut (gzip.open would raise and lose the last read)."""
-    produced = 0
-    fed = False  # the current member's decompressor got data and has not reached its end
-    try:
-        with open(path, "rb") as f:
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            while raw := f.read(GZ_READ):
-                while raw:
-                    fed = True
-                    out = d.decompress(raw)
-                    if out:
-                        produced += len(out)
-                        yield out
-                    if not d.eof:
-                        break
-                    raw, fed = d.unused_data, False  # the next gzip member, if any
-                    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            if fed or produced == 0:
-                rest = d.flush()
-                if rest:
-                    produced += len(rest)
-                    yield rest
-                notes.append(f"{path}: truncated gzip (the compressed data ends early); read "
-                             f"{produced / 1e6:.1f} MB before the cut")  # fmt: skip
-    except zlib.error as exc:
-        notes.append(f"{path}: corrupt gzip data after {produced / 1e6:.1f} MB ({exc}); read up to there")
-    except OSError as exc:
-        notes.append(f"could not read {path}: {exc.strerror or exc}")
-
-
-def _gz_blocks(path: Path, max_bytes: int | None, notes: list[str]) -> Iterator[bytes]:
-    """Decompressed blocks; with max_bytes, the head and the last max_bytes only (bounded memory)."""
-    tail: deque[bytes] = deque()
-    kept = 0
-    seen = 0
-    for b in _gunzip(path, notes):
-        if max_bytes is None or seen < HEAD_BYTES:
-            seen += len(b)
-            yield b
-            continue
-        tail.append(b)
-        kept += len(b)
-        while kept - len(tail[0]) >= max_bytes:
-            kept -= len(tail.popleft())
-    if tail:
-        yield b"\n"  # the head and the tail are not contiguous
-        yield from tail
-
-
-def _lines_of(
-    blocks: Iterator[bytes], first_line: int | None = 0, skip_partial: bool = False, offset: int | None = None
-) -> Iterator[Chunk]:
-    carry = b""
-    line_no = first_line
-    first = True
-    for b in blocks:
-        buf = carry + b if carry else b
-        cut = buf.rfind(b"\n")
-        if cut < 0:
-            if len(buf) > CHUNK:  # a giant line: hand it over as it is rather than grow forever
-                carry = b""
-                yield Chunk(buf, line_no, offset)  # the next chunk goes on with this line
-                offset = None if offset is None else offset + len(buf)
-            else:
-                carry = buf
-            continue
-        data, carry = buf[: cut + 1], buf[cut + 1 :]
-        if first and skip_partial:  # a tail read starts mid-line
-            nl = data.find(b"\n")
-            data = data[nl + 1 :]
-            offset = None if offset is None else offset + nl + 1
-        first = False
-        if data:
-            yield Chunk(data, line_no, offset)
-            if line_no is not None:
-                line_no += data.count(b"\n")
-            offset = None if offset is None else offset + len(data)
-    if carry:
-        yield Chunk(carry, line_no, offset)
+        sp.close()
