@@ -105,7 +105,7 @@ def test_burn_reports_each_process_rate_over_time_and_a_verdict(jobs):
     code, out = job.wait(), job.output()
     assert code == 0, out
     burn = [ln for ln in out.splitlines() if " burn process " in ln]
-    assert [ln.split()[2] for ln in burn] == ["0", "1"], out
+    assert [ln.split(" burn ")[0] for ln in burn] == [f"nodecheck node {i} group [0, 1]" for i in (0, 1)], out
     for ln in burn:
         assert re.search(r"\(cpu\): \d+ matmuls in [\d.]+ s, sustained [\d.]+ GFLOP/s, first fifth [\d.]+, "
                          r"last fifth [\d.]+ \([+-]\d+%\)( THROTTLED)?, wrong elements 0$", ln), ln  # fmt: skip
@@ -129,7 +129,7 @@ def test_sweep_prints_an_nccl_tests_table_per_op(jobs):
     lines = out.splitlines()
     for node in (0, 1):
         for op in ("all_reduce", "all_gather"):
-            start = lines.index(f"nodecheck node {node} sweep {op} (world 2, slowest process per size):")
+            start = lines.index(f"nodecheck node {node} group [0, 1] sweep {op} (world 2, slowest process per size):")
             assert lines[start + 1].split() == ["size", "count", "type", "time", "algbw", "busbw"]
             rows = [ROW.match(ln) for ln in lines[start + 3 : start + 3 + 18]]
             assert all(rows), lines[start : start + 21]
@@ -137,5 +137,5 @@ def test_sweep_prints_an_nccl_tests_table_per_op(jobs):
             per_rank = 2 if op == "all_gather" else 1  # all-gather: count is each rank's share
             assert [int(r[2]) for r in rows] == [max(1, 2 * 2**i // per_rank) for i in range(18)]
             last = lines[start + 3 + 18]
-            assert re.fullmatch(rf"nodecheck node {node} sweep {op}: busbw [\d.]+ GB/s at 1048576 B \(verdict\)", last)
+            assert re.fullmatch(rf"nodecheck node {node} group \[0, 1\] sweep {op}: busbw [\d.]+ GB/s at 1048576 B \(verdict\)", last)
     assert "nodecheck verdict: all 2 node(s) healthy" in out

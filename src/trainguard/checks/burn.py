@@ -95,11 +95,12 @@ def node_burn(per_process: list[dict[str, Any]]) -> dict[str, Any]:
     return {"sustained_gflops": slowest["sustained_gflops"], "fault": burn_fault(per_process), "processes": procs}
 
 
-def format_burn(node: int, burn: dict[str, Any]) -> list[str]:
+def format_burn(who: str, burn: dict[str, Any]) -> list[str]:
+    """One line per process; ``who`` names the node and its group ("nodecheck node 1 group [0, 1]")."""
     lines = []
     for i, p in enumerate(burn["processes"]):
         mark = " THROTTLED" if p["throttled"] else ""
-        lines.append(f"nodecheck node {node} burn process {i} ({p['device']}): {p['iters']} matmuls in "
+        lines.append(f"{who} burn process {i} ({p['device']}): {p['iters']} matmuls in "
                      f"{p['seconds']:.1f} s, sustained {p['sustained_gflops']:.1f} GFLOP/s, first fifth "
                      f"{p['first_gflops']:.1f}, last fifth {p['last_gflops']:.1f} ({-p['drop']:+.0%}){mark}, "
                      f"wrong elements {p['wrong']}")  # fmt: skip

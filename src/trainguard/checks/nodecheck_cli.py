@@ -135,10 +135,11 @@ def _extra_lines(metrics: dict[int, list[dict[str, Any]]]) -> list[str]:
     lines = []
     for node, runs in sorted(metrics.items()):
         for m in runs:
+            who = f"nodecheck node {node} group {m['group']}"
             if "burn" in m:
-                lines += format_burn(node, m["burn"])
+                lines += format_burn(who, m["burn"])
             if "sweep" in m:
-                lines += format_sweep(node, m["sweep"], m["world_size"])
+                lines += format_sweep(who, m["sweep"], m["world_size"])
     return lines
 
 

@@ -79,12 +79,13 @@ def largest_times(sweep: dict[str, list[dict[str, Any]]]) -> tuple[float, float]
     return sweep["all_reduce"][-1]["time_us"] / 1e6, sweep["all_gather"][-1]["time_us"] / 1e6
 
 
-def format_sweep(node: int, sweep: dict[str, list[dict[str, Any]]], world: int) -> list[str]:
+def format_sweep(who: str, sweep: dict[str, list[dict[str, Any]]], world: int) -> list[str]:
+    """A table per op; ``who`` names the node and its group ("nodecheck node 1 group [0, 1]")."""
     lines = []
     for op in OPS:
-        lines += format_table(f"nodecheck node {node} sweep {op} (world {world}, slowest process per size):", sweep[op])
+        lines += format_table(f"{who} sweep {op} (world {world}, slowest process per size):", sweep[op])
         last = sweep[op][-1]
-        lines.append(f"nodecheck node {node} sweep {op}: busbw {last['busbw']:.3f} GB/s at {last['size']} B (verdict)")
+        lines.append(f"{who} sweep {op}: busbw {last['busbw']:.3f} GB/s at {last['size']} B (verdict)")
     return lines
 
 
