@@ -96,6 +96,21 @@ def test_node_burn_takes_the_slowest_sustained_rate_and_judges_it():
     assert _judged_times(base) == {"gemm_s": 1.0, "allreduce_s": 1.0, "allgather_s": 1.0}
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [(["--burn", "-1"], "--burn"), (["--sweep-max-mb", "0", "--sweep"], "--sweep-max-mb"),
+     (["--sweep-max-mb", "4"], "--sweep-max-mb needs --sweep")],
+)  # fmt: skip
+def test_bad_burn_or_sweep_options_say_one_line_and_exit_2(args, says):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "trainguard", "nodecheck", "--local", "2", *args],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 2, p.stderr
+
+
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+float\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
 
 

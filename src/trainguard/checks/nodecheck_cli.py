@@ -266,6 +266,8 @@ def _wait_count(store: Any, n: int, cfg: NodeCheckConfig) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from(args)
     try:
+        if args.sweep_max_mb is not None and not args.sweep:
+            raise ValueError("--sweep-max-mb needs --sweep")
         if args.local:
             if args.local < 1:
                 raise ValueError("--local needs N >= 1")
