@@ -18,7 +18,8 @@ seconds of ONE operation and every bandwidth is bytes / that time):
 
 Fault injection (for tests and drills only; never set in production):
 ``TRAINGUARD_CHAOS_NODECHECK=fail`` makes this process die right after joining the group (as if the
-node broke); ``slow:<factor>`` makes every timed operation take about <factor> times longer.
+node broke); ``slow:<factor>`` makes every timed operation take about <factor> times longer; ``corrupt`` changes
+one element of one burn result (``--burn``: a GPU that computes a wrong value).
 ``--hold-file PATH``: while PATH exists, wait with the group up before measuring (at most
 ``--timeout``), so that a drill can aim at this process (``trainguard chaos nodecheck-kill``).
 """
@@ -35,6 +36,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from trainguard.checks.burn import run_burn
+from trainguard.checks.sweep import algbw_busbw, run_sweep
+
+__all__ = ["algbw_busbw", "main", "parse_chaos", "run"]
+
 CHAOS_ENV = "TRAINGUARD_CHAOS_NODECHECK"
 RESULT_PREFIX = "NODECHECK "
 READY_LINE = "NODECHECK_READY"
@@ -42,27 +48,18 @@ CHAOS_EXIT_CODE = 17
 
 
 def parse_chaos(value: str | None) -> tuple[str, float]:
-    """'' -> ('', 1); 'fail' -> ('fail', 1); 'slow:4' -> ('slow', 4.0). Bad values raise ValueError."""
+    """'' -> ('', 1); 'fail' -> ('fail', 1); 'corrupt' -> ('corrupt', 1); 'slow:4' -> ('slow', 4.0). Bad values raise ValueError."""
     value = (value or "").strip()
     if not value:
         return "", 1.0
-    if value == "fail":
-        return "fail", 1.0
+    if value in ("fail", "corrupt"):
+        return value, 1.0
     if value.startswith("slow:"):
         factor = float(value.split(":", 1)[1])
         if factor < 1:
             raise ValueError(f"{CHAOS_ENV}=slow:<factor> needs factor >= 1, got {factor}")
         return "slow", factor
-    raise ValueError(f"{CHAOS_ENV} must be 'fail' or 'slow:<factor>', got {value!r}")
-
-
-def algbw_busbw(op: str, nbytes: int, seconds: float, world: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s for one operation on ``nbytes`` that took ``seconds``."""
-    if seconds <= 0:
-        return 0.0, 0.0
-    alg = nbytes / seconds / 1e9
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world}[op]
-    return alg, alg * factor
+    raise ValueError(f"{CHAOS_ENV} must be 'fail', 'corrupt' or 'slow:<factor>', got {value!r}")
 
 
 def _time_ops(
@@ -132,6 +129,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     out.update(_gemm(args, dev, factor))
     out.update(_collectives(args, dev, sync, world, factor))
+    if args.burn > 0:
+        n = args.gemm_n or (4096 if use_cuda else 256)
+        out.update(run_burn(dev, args.burn, n, corrupt=mode == "corrupt"))
+    if args.sweep:
+        max_bytes = int((args.sweep_max_mb or (64.0 if use_cuda else 8.0)) * 2**20)
+        out.update(run_sweep(dev, world, max_bytes, lambda fn: _time_ops(fn, sync, 1, args.iters, factor)))
     dist.barrier()
     dist.destroy_process_group()
     return out
@@ -207,6 +210,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the CPU GEMM")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for store and collectives")
     p.add_argument("--hold-file", default=None, help="wait while this file exists before measuring (drills)")
+    p.add_argument("--burn", type=float, default=0.0, help="seconds of sustained GEMM load after the check (0: none)")
+    p.add_argument("--sweep", action="store_true", help="all-reduce/all-gather message-size sweep after the check")
+    p.add_argument("--sweep-max-mb", type=float, default=0.0,
+                   help="largest sweep size in MiB, as nccl-tests' -e 64M (0: 64 on GPU, 8 on CPU)")  # fmt: skip
     p.add_argument("--sync", action="store_true", help="print NODECHECK_READY, then wait for a line on stdin")
     return p
 

@@ -23,7 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard.checks.bench import CHAOS_ENV, parse_chaos
+from trainguard.checks.burn import format_burn
 from trainguard.checks.nodecheck_run import NodeCheckConfig, NodeChecker
+from trainguard.checks.sweep import format_sweep
 from trainguard.cluster.stores import bound_store, can_connect
 from trainguard.detect.nodecheck import Verdict
 from trainguard.options import MAX_SECONDS, given, non_negative_int, number, port, positive, positive_int
@@ -38,8 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=port, default=29400)
     p.add_argument("--local", type=non_negative_int, default=0, metavar="N", help="simulate N nodes on this machine")
     p.add_argument("--chaos", action="append", default=[], metavar="NODE=MODE",
-                   help="with --local: fault injection, MODE is fail or slow:<factor> (repeatable)")  # fmt: skip
+                   help="with --local: fault injection, MODE is fail, slow:<factor> or corrupt (a wrong --burn result) (repeatable)")  # fmt: skip
     add_check_arguments(p, prefix="")
+    p.add_argument("--burn", type=number("seconds", maximum=MAX_SECONDS), default=0.0, metavar="SECONDS",
+                   help="then a sustained GEMM load of SECONDS on every device, each result checked (as gpu-burn)")  # fmt: skip
+    p.add_argument("--sweep", action="store_true",
+                   help="then an nccl-tests-style all-reduce/all-gather message-size sweep (8 B doubling to --sweep-max-mb)")  # fmt: skip
+    p.add_argument("--sweep-max-mb", type=positive, default=None, metavar="MIB",
+                   help="largest sweep size in MiB, as nccl-tests' -e (default 64 on GPU, 8 on CPU)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the verdict and measurements as JSON")
 
 
@@ -78,7 +86,9 @@ _CHECK_OPTIONS = {
 
 def config_from(args: argparse.Namespace, prefix: str = "") -> NodeCheckConfig:
     a = prefix.replace("-", "_")
-    return NodeCheckConfig(**given(args, {field: a + name for field, name in _CHECK_OPTIONS.items()}))
+    # --burn/--sweep are `trainguard nodecheck`'s own (the run parser has none: getattr's default)
+    extra = given(args, {"burn_s": "burn", "sweep": "sweep", "sweep_max_mb": "sweep_max_mb"})
+    return NodeCheckConfig(**given(args, {field: a + name for field, name in _CHECK_OPTIONS.items()}), **extra)
 
 
 def _chaos_map(specs: list[str], nnodes: int) -> dict[int, str]:
@@ -108,6 +118,7 @@ def format_verdict(v: Verdict, metrics: dict[int, list[dict[str, Any]]]) -> list
                 f"busbw {m['allgather_busbw_gbps']:.2f} GB/s ({m['bytes'] / 1e6:.1f} MB, {m['backend']}, "
                 f"{m.get('procs', 1)} process(es) per node, world {m['world_size']})"
             )
+    lines += _extra_lines(metrics)
     for n, why in sorted(v.faulty.items()):
         lines.append(f"nodecheck verdict: node {n} is faulty: {why}")
     for n, why in sorted(v.stragglers.items()):
@@ -116,6 +127,19 @@ def format_verdict(v: Verdict, metrics: dict[int, list[dict[str, Any]]]) -> list
         lines.append(f"nodecheck verdict: {v.undetermined}")
     if v.healthy and not v.stragglers:
         lines.append(f"nodecheck verdict: all {len(v.nodes)} node(s) healthy")
+    return lines
+
+
+def _extra_lines(metrics: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """The burn and sweep reports of each node's tests."""
+    lines = []
+    for node, runs in sorted(metrics.items()):
+        for m in runs:
+            who = f"nodecheck node {node} group {m['group']}"
+            if "burn" in m:
+                lines += format_burn(who, m["burn"])
+            if "sweep" in m:
+                lines += format_sweep(who, m["sweep"], m["world_size"])
     return lines
 
 
@@ -242,6 +266,8 @@ def _wait_count(store: Any, n: int, cfg: NodeCheckConfig) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from(args)
     try:
+        if args.sweep_max_mb is not None and not args.sweep:
+            raise ValueError("--sweep-max-mb needs --sweep")
         if args.local:
             if args.local < 1:
                 raise ValueError("--local needs N >= 1")

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.checks.bench import READY_LINE, RESULT_PREFIX
+from trainguard.checks.burn import node_burn
+from trainguard.checks.sweep import largest_times, node_sweep
 from trainguard.cluster.stores import ForgedValue, address_toward, bound_store
 from trainguard.detect.nodecheck import (
     Group,
@@ -60,6 +62,14 @@ class NodeCheckConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra env for the benchmark process
     hold_file: str | None = None  # the benchmark waits while this file exists (a drill's hold)
     procs: int = 0  # benchmark processes per node (0: one per visible GPU with CUDA, else one)
+    burn_s: float = 0.0  # seconds of sustained GEMM load after the check (`nodecheck --burn`)
+    sweep: bool = False  # message-size sweep of the collectives (`nodecheck --sweep`)
+    sweep_max_mb: float = 0.0  # largest sweep size in MiB (0: 64 on GPU, 8 on CPU)
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The limit of one group test: the burn runs on top of the usual check."""
+        return self.timeout_s + self.burn_s
 
 
 def local_procs(cfg: NodeCheckConfig) -> int:
@@ -146,7 +156,7 @@ class NodeChecker:
 
     def _run_wave(self, round_no: int, wave: int, groups: list[Group]) -> list[TestResult]:
         base = f"{self.prefix}/r{round_no}/w{wave}"
-        deadline = time.monotonic() + self.cfg.timeout_s + 15.0
+        deadline = time.monotonic() + self.cfg.group_timeout_s + 15.0
         self._wave_base, self._wave_members = base, sorted({n for g in groups for n in g})
         try:
             for gid, group in enumerate(groups):
@@ -228,8 +238,10 @@ class NodeChecker:
             "--rank", str(rank), "--world-size", str(world), "--local-rank", str(local_rank),
             "--backend", c.backend, "--device", c.device,
             "--gemm-n", str(c.gemm_n), "--coll-mb", str(c.coll_mb),
-            "--iters", str(c.iters), "--warmup", str(c.warmup), "--timeout", str(c.timeout_s), "--sync",
+            "--iters", str(c.iters), "--warmup", str(c.warmup), "--timeout", str(c.group_timeout_s), "--sync",
             *(["--hold-file", c.hold_file] if c.hold_file else []),
+            *(["--burn", str(c.burn_s)] if c.burn_s > 0 else []),
+            *(["--sweep", "--sweep-max-mb", str(c.sweep_max_mb)] if c.sweep else []),
         ]  # fmt: skip
 
     def _run_bench(self, gbase: str, group: Group, store: tuple[str, int], ranks: tuple[int, int],
@@ -253,8 +265,10 @@ class NodeChecker:
             return self._fail(gbase, group, failed[:400])
         data = procs.node_result()
         self.metrics.append({"group": list(group), **data})
-        return TestResult(node=self.me, group=group, ok=True, gemm_s=data["gemm_s"],
-                          allreduce_s=data["allreduce_s"], allgather_s=data["allgather_s"])  # fmt: skip
+        fault = data.get("burn", {}).get("fault", "")
+        if fault:  # a wrong result is this node's own fault: no abort for the partner, its test passed
+            return TestResult(node=self.me, group=group, ok=False, error=fault[:400])
+        return TestResult(node=self.me, group=group, ok=True, **_judged_times(data))
 
     def _watch(self, procs: _BenchProcs, gbase: str, group: Group, deadline: float) -> str:
         """Wait for the processes; why they were stopped ("" when they all ended by themselves)."""
@@ -270,7 +284,7 @@ class NodeChecker:
                     procs.go()
                     started = True
             if time.monotonic() > deadline:
-                return f"timed out after {self.cfg.timeout_s:.0f} s"
+                return f"timed out after {self.cfg.group_timeout_s:.0f} s"
             gone = [k for k in abort_keys if self.store.check([k])]
             if gone:
                 return f"aborted: partner node {', '.join(k.rsplit('/', 1)[1] for k in gone)} failed"
@@ -350,10 +364,30 @@ class _BenchProcs:
         for op in ("allreduce", "allgather"):
             out.update({k: slowest[f"{op}_s"][k] for k in (f"{op}_s", f"{op}_algbw_gbps", f"{op}_busbw_gbps")})
         out["procs"] = len(per)
+        if any("burn_iters" in d for d in per):
+            out["burn"] = node_burn(per)
+            for k in ("burn_step_s", "burn_gflop_per_step", "burn_checksum", "burn_wrong", "burn_iters", "burn_seconds",
+                      "burn_sustained_gflops"):  # fmt: skip
+                out.pop(k, None)  # per process, in out["burn"]["processes"]
+        if "sweep" in per[0]:
+            out["sweep"] = node_sweep(per, out["world_size"])
         out["gemm_s_per_device"] = [d["gemm_s"] for d in per]
         out["per_process"] = [{k: d.get(k) for k in ("device", "rank", "gemm_s", "allreduce_s", "allgather_s")}
                               for d in per]  # fmt: skip
         return out
+
+
+def _judged_times(data: dict[str, Any]) -> dict[str, float]:
+    """The times the verdict judges: the short check's, or with ``--burn`` the sustained GEMM time
+    (seconds per matmul at the slowest process's sustained rate), with ``--sweep`` the collectives
+    at the sweep's largest size."""
+    out = {k: data[k] for k in ("gemm_s", "allreduce_s", "allgather_s")}
+    burn = data.get("burn")
+    if burn and burn["sustained_gflops"] > 0:
+        out["gemm_s"] = 2 * data["burn_n"] ** 3 / (burn["sustained_gflops"] * 1e9)
+    if "sweep" in data:
+        out["allreduce_s"], out["allgather_s"] = largest_times(data["sweep"])
+    return out
 
 
 def get_when_set(store: Any, key: str, deadline: float) -> bytes | None:
