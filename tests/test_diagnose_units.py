@@ -172,3 +172,18 @@ def test_bad_bytes_huge_lines_and_odd_encodings_do_not_crash(tmp_path: Path):
     r = diagnose_paths([tmp_path])
     json.dumps(r)
     assert r["stats"]["files"] == 7
+
+
+def test_nccl_network_fixes_give_seed_003s_debugging_variables(tmp_path: Path):
+    """Seed 003's NCCL debugging advice reaches the user with a network failure: pin the interface
+    (NCCL_SOCKET_IFNAME=eth0) and rule out a broken NGC/SHARP network plugin (NCCL_NET_PLUGIN=none)."""
+    log = tmp_path / "rank-0.log"
+    log.write_text(
+        "2026-12-08T10:00:00.000001 [rank0]: step=12 loss=2.1\n"
+        "2026-12-08T10:00:01.000001 [rank0]: w-0:311:402 [0] misc/socket.cc:538 NCCL WARN NET/Socket : "
+        "socketProgress: Connection closed by remote peer w-1<46411> error\n"
+        "2026-12-08T10:00:01.000002 [rank0]: RuntimeError: NCCL communicator was aborted on rank 0\n"
+    )
+    d = diagnose_paths([log])
+    assert d["category"] == "nccl_network", d["category"]
+    assert "NCCL_SOCKET_IFNAME=eth0" in d["fix"] and "NCCL_NET_PLUGIN=none" in d["fix"], d["fix"]
