@@ -15,8 +15,9 @@ from tgtest import EXAMPLE, events, free_port
 from trainguard import policy as P
 from trainguard.agent.cli import make_parser
 from trainguard.agent.settings import RunSettings
+from trainguard.checks.bench import CHAOS_ENV
 from trainguard.evidence import CheckOutcome
-from trainguard.exitcodes import EXIT_NODE_FAULT, EXIT_USAGE
+from trainguard.exitcodes import EXIT_EXCLUDED, EXIT_NODE_FAULT, EXIT_USAGE
 from trainguard.policy import Action
 from trainguard.schedulers import environment
 
@@ -72,6 +73,23 @@ def test_the_dlrover_command_line_runs_as_two_agents_from_master_addr(jobs, tmp_
     started = events(run_dir, "job_started")
     assert started and all(e.evidence["group_world_size"] == 2 for e in started)
     assert len({e.node for e in events(run_dir, "job_succeeded")}) == 2
+
+
+@pytest.mark.slow
+def test_exclude_straggler_drops_the_slow_node_the_network_check_finds(jobs, tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    argv = ["--network-check", "--exclude-straggler", "--nnodes=2:3", "--nproc_per_node=1", "--run-dir", run_dir]
+    agents = []
+    for i in range(3):  # node2's benchmark runs 10x slower (fault injection)
+        env = agent_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **({CHAOS_ENV: "slow:10"} if i == 2 else {}))
+        agents.append(jobs("run", *argv, "--node-name", f"n{i}", EXAMPLE, "--steps", "6", env=env, name=f"n{i}"))
+    codes = [a.wait(timeout=420) for a in agents]
+    outs = [a.output() for a in agents]
+    assert codes == [0, 0, EXIT_EXCLUDED], outs
+    assert "The node is a straggler and exits." in outs[2]
+    assert {e.node for e in events(run_dir, "node_excluded")} == {"n2"}
+    assert {e.node for e in events(run_dir, "job_succeeded")} == {"n0", "n1"}
 
 
 def test_network_check_is_the_node_check(clean_env):
