@@ -123,8 +123,11 @@ def _restarts_left_unset(parser: argparse.ArgumentParser) -> None:
     """--max-restarts not given (nor PET_MAX_RESTARTS) is None, not torchrun's 0: the settings
     then read the restart budget from the pod's annotations (schedulers/kubernetes.py)."""
     for action in parser._actions:
-        if action.dest == "max_restarts" and "PET_MAX_RESTARTS" not in os.environ:
-            action.default = None
+        if action.dest == "max_restarts":
+            action.help = (f"{action.help.rstrip('.')} (not given: the pod annotation fault-tolerance/job-retry-num "
+                           "in the downward API file $TRAINGUARD_POD_ANNOTATIONS or /etc/podinfo/annotations, else 0)")
+            if "PET_MAX_RESTARTS" not in os.environ:
+                action.default = None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -133,7 +136,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.allow_abbrev = False  # prefixes: torchrun's flags only (_torchrun_abbreviations)
     _torchrun_abbreviations(parser)
     parser.prog = "trainguard run"
-    parser.description = "Launch a guarded distributed job. Accepts every torchrun flag."
+    parser.description = (
+        "Launch a guarded distributed job. Accepts every torchrun flag. Without --rdzv-* flags the rendezvous "
+        "comes from the environment: Slurm, PET_*, --hostfile, MASTER_ADDR/MASTER_PORT, Volcano's host files; "
+        "one node: standalone."
+    )
     add_trainguard_arguments(parser)
     plugins.add_run_arguments(parser)
     scheduler.add_run_arguments(parser)
