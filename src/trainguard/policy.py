@@ -91,7 +91,7 @@ class PolicySettings:
 
     nnodes: str = ""  # torchrun's --nnodes: "N" or "MIN:MAX"
     exclude_straggler: bool = False  # --exclude-straggler: a straggler's node leaves while training
-    node_check_exclude_straggler: bool = False  # --node-check-exclude-straggler: ... before start
+    node_check_exclude_straggler: bool = False  # --node-check-exclude-straggler (or --exclude-straggler): ... before start
     restart_on_error: bool = False  # --restart-on-error: torchrun's restarts on the user's own exception too
     nan_replays: int = 2  # --nan-replays: NaN failures per run replayed from a snapshot (0: stop at once)
     restart_loop_attempts: int = 3  # --restart-loop-attempts: K attempts failing the same way at the same step stop the job (0: off)
@@ -102,7 +102,8 @@ class PolicySettings:
         return cls(
             nnodes=str(options.nnodes or ""),
             exclude_straggler=bool(options.exclude_straggler),
-            node_check_exclude_straggler=bool(options.node_check_exclude_straggler),
+            # DLRover's --exclude-straggler also drops a straggler its network check finds
+            node_check_exclude_straggler=bool(options.node_check_exclude_straggler or options.exclude_straggler),
             restart_on_error=bool(getattr(options, "restart_on_error", False)),
             **given(options, {"nan_replays": "nan_replays"}),
             **({"restart_loop_attempts": int(loop)} if loop is not None else {}),

@@ -9,6 +9,7 @@ the command line.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from torch.distributed.run import get_args_parser
@@ -90,6 +91,10 @@ def add_trainguard_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hold-on-failure", type=_minutes, default=None, metavar="MINUTES",
                    help="when the job fails here, keep this node's agent (and its allocation) alive this long for "
                    "inspection; SIGTERM ends the hold early")
+    g.add_argument("--rdzv-wait-minutes", type=_minutes, default=30.0, metavar="MINUTES",
+                   help="how long a node (a replacement for a lost one included) waits in the rendezvous for its "
+                   "peers before it exits 201 (torch's join_timeout, where --rdzv-conf does not set it; default 30, "
+                   "ModelArts' queueing limit for a re-dispatched job)")
 
 
 def _torchrun_abbreviations(parser: argparse.ArgumentParser) -> None:
@@ -114,12 +119,28 @@ def _torchrun_abbreviations(parser: argparse.ArgumentParser) -> None:
     parser._get_option_tuples = option_tuples  # type: ignore[method-assign]
 
 
+def _restarts_left_unset(parser: argparse.ArgumentParser) -> None:
+    """--max-restarts not given (nor PET_MAX_RESTARTS) is None, not torchrun's 0: the settings
+    then read the restart budget from the pod's annotations (schedulers/kubernetes.py)."""
+    for action in parser._actions:
+        if action.dest == "max_restarts":
+            action.help = (f"{action.help.rstrip('.')} (not given: the pod annotation fault-tolerance/job-retry-num "
+                           "in the downward API file $TRAINGUARD_POD_ANNOTATIONS or /etc/podinfo/annotations, else 0)")
+            if "PET_MAX_RESTARTS" not in os.environ:
+                action.default = None
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
+    _restarts_left_unset(parser)
     parser.allow_abbrev = False  # prefixes: torchrun's flags only (_torchrun_abbreviations)
     _torchrun_abbreviations(parser)
     parser.prog = "trainguard run"
-    parser.description = "Launch a guarded distributed job. Accepts every torchrun flag."
+    parser.description = (
+        "Launch a guarded distributed job. Accepts every torchrun flag. Without --rdzv-* flags the rendezvous "
+        "comes from the environment: Slurm, PET_*, --hostfile, MASTER_ADDR/MASTER_PORT, Volcano's host files; "
+        "one node: standalone."
+    )
     add_trainguard_arguments(parser)
     plugins.add_run_arguments(parser)
     scheduler.add_run_arguments(parser)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shlex
 import signal
 import sqlite3
 import sys
@@ -14,7 +15,11 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
@@ -43,6 +48,11 @@ from trainguard.spawn import logs
 from trainguard.spawn.pool import WorkerPool
 
 log = logging.getLogger("trainguard")
+
+# The words ModelArts' users search the log for: the job ended for good, restarts spent or none
+# left to try ("error,exiting"), and the command started ("Command running...").
+FINAL_FAILURE = "error,exiting"
+COMMAND_RUNNING = "Command running..."
 
 
 class UsageError(Exception):
@@ -373,7 +383,8 @@ def _run_agent(agent: TrainguardAgent, bus: EventBus, max_restarts: int) -> Outc
         out.code = EXIT_NODE_FAULT  # too few healthy nodes left: retry elsewhere
     bus.emit(
         "job_failed",
-        f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {max_restarts})"),
+        f"job failed: {reason}" + ("" if agent.stop_decision else f" (restarts exhausted: {max_restarts})")
+        + f"; {FINAL_FAILURE}",
         severity=Severity.CRITICAL,
         rank=next(iter(agent.final_failures), None),  # ordered by exit time: first failure first
         evidence={
@@ -412,12 +423,12 @@ def _ended_by(exc: Exception, agent: TrainguardAgent | None, job: Job, node: str
     if isinstance(exc, NodeExcluded):
         return _excluded(exc, agent, job, node, bus, sched)
     if isinstance(exc, NodesUnreachable):
-        bus.emit("job_failed", f"job failed: {exc}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
+        bus.emit("job_failed", f"job failed: {exc}; {FINAL_FAILURE}", severity=Severity.CRITICAL, evidence={"reason": str(exc)})
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         # one --node-name on two agents is bad input, refused before any worker started
         return Outcome(EXIT_USAGE if isinstance(exc, DuplicateNodeName) else EXIT_FAILED, str(exc))
     if isinstance(exc, JobStopped):
-        bus.emit("job_failed", f"job stopped: {exc.decision.reason}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
+        bus.emit("job_failed", f"job stopped: {exc.decision.reason}; {FINAL_FAILURE}", severity=Severity.CRITICAL, evidence=exc.decision.evidence)
         # too few healthy nodes left: retry elsewhere
         return Outcome(EXIT_NODE_FAULT if exc.decision.evidence.get("faulty") else EXIT_FAILED, exc.decision.reason)
     if isinstance(exc, SignalException):
@@ -426,6 +437,8 @@ def _ended_by(exc: Exception, agent: TrainguardAgent | None, job: Job, node: str
             sched.on_preempted(exc.sigval, node)
         bus.emit("job_failed", f"stopped by {exc.sigval.name}", severity=Severity.WARNING, evidence={"signal": exc.sigval.name})
         return Outcome(signal_exit(exc.sigval), f"stopped by {exc.sigval.name} (preempted or cancelled)", shutdown_rdzv=False)
+    if isinstance(exc, RendezvousTimeoutError):
+        return _peers_never_came(job, bus)
     if isinstance(exc, RendezvousConnectionError) and agent is not None and agent.standby_waiting:
         # c10d's store lives in node rank 0's agent, which exits when the job ends: a waiting
         # standby's next read may fail before it sees the rendezvous closed
@@ -433,15 +446,34 @@ def _ended_by(exc: Exception, agent: TrainguardAgent | None, job: Job, node: str
     if isinstance(exc, RendezvousConnectionError):
         cfg = job.config
         verdict = f"cannot reach the {cfg.rdzv_backend} rendezvous at {cfg.rdzv_endpoint}: {_root_cause(exc)}"
-        bus.emit("job_failed", f"job failed: {verdict}", severity=Severity.CRITICAL, evidence={"reason": verdict})
+        bus.emit("job_failed", f"job failed: {verdict}; {FINAL_FAILURE}", severity=Severity.CRITICAL, evidence={"reason": verdict})
         print(f"trainguard run: error: {verdict}", file=sys.stderr)
         # shutdown_rdzv False: this node is the one cut off; once its link is back, closing the
         # rendezvous on the way out would end the job for the nodes that went on (bench/soak.py:
         # a net-cut node closed it 70 s later, and the others' next re-rendezvous failed).
         return Outcome(verdict=verdict, shutdown_rdzv=False)
     log.exception("agent failed")
-    bus.emit("job_failed", f"agent error: {exc!r}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
+    bus.emit("job_failed", f"agent error: {exc!r}; {FINAL_FAILURE}", severity=Severity.CRITICAL, evidence={"error": repr(exc)})
     return Outcome()
+
+
+def _peers_never_came(job: Job, bus: EventBus) -> Outcome:
+    """The rendezvous did not fill within --rdzv-wait-minutes (a replacement node whose job never
+    came back, or peers never started): too few nodes, retry elsewhere (201)."""
+    cfg = job.config
+    wait = job.rdzv.get_as_int("join_timeout", 600)
+    verdict = (f"too few nodes: the {cfg.rdzv_backend} rendezvous at {cfg.rdzv_endpoint} did not get "
+               f"{cfg.min_nodes} node(s) in {wait} s (--rdzv-wait-minutes)")
+    bus.emit("job_failed", f"job failed: {verdict}; {FINAL_FAILURE}", severity=Severity.CRITICAL,
+             evidence={"reason": verdict, "join_timeout": wait, "min_nodes": cfg.min_nodes})
+    print(f"trainguard run: error: {verdict}", file=sys.stderr)
+    return Outcome(EXIT_NODE_FAULT, verdict, shutdown_rdzv=False)
+
+
+def _command_line(launch: LaunchSettings) -> str:
+    target = launch.target
+    first = [target.script] if target.script else (["-m", target.module] if target.module else [target.binary or ""])
+    return shlex.join([*first, *launch.script_args])
 
 
 def _stop(launch: LaunchSettings, out: Outcome, agent: TrainguardAgent | None, pool: WorkerPool,
@@ -468,6 +500,7 @@ def _stop(launch: LaunchSettings, out: Outcome, agent: TrainguardAgent | None, p
 
 def _launch(settings: RunSettings, run_dir: Path, node: str, monitors: list, store: EventStore) -> int:
     _setup_logging(run_dir, node)
+    log.info("%s: %s", COMMAND_RUNNING, _command_line(settings.launch))
     scheduler.describe(settings.scheduler)
     _install_signal_handlers()
     try:

@@ -44,6 +44,8 @@ from trainguard.options import SettingsError, node_name_problem
 from trainguard.policy import PolicySettings
 from trainguard.probes import nvml
 from trainguard.schedulers import adapter as scheduler
+from trainguard.schedulers import environment as rendezvous_env
+from trainguard.schedulers import kubernetes
 from trainguard.spawn.pcontext import Target
 
 
@@ -98,7 +100,8 @@ class RunSettings:
         if problem:
             raise SettingsError(problem)
         job = scheduler.autodetect(args, env)  # fills --nnodes, --node-name... before anything reads them
-        sched = scheduler.SchedulerSettings.from_options(args, job)
+        sources = _from_environment(args, env)  # the rendezvous and restart budget the job's environment gives
+        sched = scheduler.SchedulerSettings.from_options(args, job, sources)
         monitors = MappingProxyType(plugins.read_settings(args))  # read-only, like the rest
         launch = _launch_settings(args)
         policy = PolicySettings.from_options(args)
@@ -118,6 +121,16 @@ def _gpu_placeholder(args: argparse.Namespace, refused_by_precheck: bool) -> arg
         return args
     return argparse.Namespace(**{**vars(args), "nproc_per_node": "1"})
 
+
+
+def _from_environment(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ...]:
+    """Fill the rendezvous flags (none given) and --max-restarts (not given) from the job's
+    environment; the lines that say so on the console."""
+    lines = [rendezvous_env.apply(args, env)]
+    if args.max_restarts is None:
+        args.max_restarts, where = kubernetes.restart_budget(env)
+        lines.append(f"restart budget {args.max_restarts} from the pod annotation {where}" if where else None)
+    return tuple(line for line in lines if line)
 
 
 def _flag_problem(args: argparse.Namespace) -> str | None:
@@ -232,6 +245,16 @@ def _target(args: argparse.Namespace) -> Target:
     return Target(script=os.path.abspath(args.training_script))
 
 
+def _with_join_timeout(rdzv_conf: str, minutes: float | None) -> str:
+    """--rdzv-wait-minutes as torch's join_timeout (how long a node waits in the rendezvous for its
+    peers), unless --rdzv-conf sets join_timeout itself."""
+    keys = {kv.split("=", 1)[0].strip() for kv in (rdzv_conf or "").split(",") if kv.strip()}
+    if minutes is None or "join_timeout" in keys:
+        return rdzv_conf
+    timeout = f"join_timeout={max(1, round(minutes * 60))}"
+    return f"{rdzv_conf},{timeout}" if rdzv_conf else timeout
+
+
 def _torchrun_defaults(args: argparse.Namespace) -> TorchRun:
     """The one place torchrun's flags are changed after parsing, as torchrun's run() does: a
     --standalone (or static single-node) job gets a c10d rendezvous on localhost:0, the master port
@@ -249,6 +272,8 @@ def _torchrun_defaults(args: argparse.Namespace) -> TorchRun:
             single = True
     if args.master_port is None:
         args.master_port = 29500
+    if not single:
+        args.rdzv_conf = _with_join_timeout(args.rdzv_conf, getattr(args, "rdzv_wait_minutes", None))
     torch_files = bool(args.log_dir) or Std.from_str(args.redirects) != Std.NONE or Std.from_str(args.tee) != Std.NONE
     if not torch_files:
         args.log_dir = os.devnull

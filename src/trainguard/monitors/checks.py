@@ -160,11 +160,12 @@ def add_run_arguments(group: argparse._ArgumentGroup) -> None:
     g.add_argument("--check-skip", action="append", default=[], metavar="ITEM", type=skip_item, help="leave out an item")
     g.add_argument("--check-wait", type=seconds, default=None, metavar="SECONDS",
                    help=f"how long agents wait for each other's pre-check results (default {d.wait_s:g})")  # fmt: skip
-    g.add_argument("--node-check", action="store_true",
-                   help="run the GEMM + collective node check in paired groups before workers start")  # fmt: skip
+    g.add_argument("--node-check", "--network-check", action="store_true", dest="node_check",
+                   help="run the GEMM + collective node check in paired groups before workers start "
+                   "(--network-check: DLRover's name for it)")  # fmt: skip
     add_check_arguments(g, prefix="node-check-")
     g.add_argument("--node-check-exclude-straggler", action="store_true",
-                   help="exclude a node the node check names a straggler")  # fmt: skip
+                   help="exclude a node the node check names a straggler (--exclude-straggler does too)")  # fmt: skip
     g.add_argument("--node-check-reuse", type=non_negative, default=None, metavar="SECONDS",
                    help="reuse a node's healthy node-check result this long while the node is unchanged and "
                    f"not involved in a failure; only the others are rechecked (0: always all, default {d.node_check_reuse_s:g})")  # fmt: skip

@@ -40,7 +40,8 @@ FOLLOW_EVERY_S = 0.5  # how often a waiting follower reads the leader's verdicts
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     d = S.StragglerConfig()
     group.add_argument("--exclude-straggler", action="store_true",
-                       help="a node found to be a straggler leaves the job (elastic jobs go on without it)")
+                       help="a node found to be a straggler, while training or by the node check, leaves the job "
+                       "(elastic jobs go on without it)")
     group.add_argument("--straggler-window", type=positive_int, default=None, metavar="STEPS",
                        help=f"steps per straggler-analysis window (default {d.window_steps})")
     group.add_argument("--straggler-windows", type=positive_int, default=None, metavar="N",

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.options import SettingsError, node_name_problem, non_negative_int
-from trainguard.schedulers import hostlist, kubernetes, slurm
+from trainguard.schedulers import environment, hostlist, kubernetes, slurm
 
 log = logging.getLogger("trainguard")
 
@@ -63,6 +63,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--on-exclude", type=_argv, default=None, metavar="CMD",
                    help="run CMD when this node is excluded (no shell; env TRAINGUARD_EXCLUDED_NODE, "
                         "TRAINGUARD_EXCLUDE_REASON, TRAINGUARD_RUN_DIR)")
+    environment.add_run_arguments(g)
 
 
 def autodetect(args: argparse.Namespace, env: Any = os.environ) -> slurm.SlurmJob | None:
@@ -89,16 +90,21 @@ class SchedulerSettings:
     on_exclude: tuple[str, ...] | None = None  # --on-exclude CMD, split into its words
     job: slurm.SlurmJob | None = None  # the Slurm allocation (``autodetect``), None outside one or with --no-slurm
     applied: tuple[str, ...] = ()  # the flags the allocation filled, for the launch's log line
+    sources: tuple[str, ...] = ()  # what configured the rendezvous and the restart budget, for the console
 
     @classmethod
-    def from_options(cls, args: argparse.Namespace, job: slurm.SlurmJob | None = None) -> SchedulerSettings:
+    def from_options(cls, args: argparse.Namespace, job: slurm.SlurmJob | None = None,
+                     sources: tuple[str, ...] = ()) -> SchedulerSettings:
         on_exclude = getattr(args, "on_exclude", None)
         return cls(bool(getattr(args, "slurm_drain", False)), bool(getattr(args, "requeue", False)),
-                   tuple(on_exclude) if on_exclude else None, job, tuple(getattr(args, "slurm_applied", ())))
+                   tuple(on_exclude) if on_exclude else None, job, tuple(getattr(args, "slurm_applied", ())), sources)
 
 
 def describe(settings: SchedulerSettings) -> None:
-    """The launch's log line about the allocation (once logging is set up)."""
+    """The launch's log lines about the allocation and what the environment configured (once
+    logging is set up)."""
+    for line in settings.sources:
+        log.info("%s", line)
     job = settings.job
     if job is not None:
         applied = "; ".join(settings.applied) or "all rendezvous flags given"
