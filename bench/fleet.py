@@ -130,8 +130,9 @@ def print_scale(ranks: int, days: float, n: int, rows: list[RowResult], wall_s: 
         print(f"   {part:<25}" + "".join(f"{r.parts[part] * 100:>{width - 2}.2f} %" for r in rows))
     for r in rows:
         acts = ", ".join(f"{a} {c}" for a, c in sorted(r.actions().items()))
-        hist = f"; node history: {r.history_records} records, {r.refused_hosts} host(s) it would refuse" \
-            if r.name.startswith("trainguard") else ""  # fmt: skip
+        hist = (f"; re-launched {sum(r.relaunches.values())} times ({r.relaunches['stopped']} stopped by the policy, "
+                f"{r.relaunches['budget spent']} with the restart budget spent); node history: {r.history_records} "
+                f"records, {r.refused_hosts} host(s) it would refuse") if r.relaunches else ""  # fmt: skip
         print(f"   {r.name}: {r.note}; decisions: {acts or 'none'}{hist}")
 
 
@@ -179,9 +180,11 @@ def plot(path: Path, scales: dict[str, list[RowResult]], sweep: dict[str, list[R
 
 
 def _lines(ax, xs: list[float], results: list[list[RowResult]], xlabel: str, log: bool) -> None:
-    for i, name in enumerate(r.name for r in results[0]):
+    for i, name in enumerate(r.name.split("(")[0] for r in results[0]):
         ax.plot(xs, [rows[i].ettr for rows in results], marker="o", label=name)
     ax.set_xscale("log" if log else "linear")
+    ax.set_xticks(xs, [f"{x:,g}" for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel(xlabel)
     ax.set_ylabel("ETTR")
     ax.set_ylim(0, 1.02)

@@ -240,6 +240,7 @@ class RowResult:
     note: str  # how it checkpoints
     stall_share: float  # the checkpoint stall's share of training time (ETTR without failures: 1 - it)
     history_records: int = 0
+    relaunches: dict[str, int] = field(default_factory=dict)  # trainguard: why the scheduler re-launched it
     refused_hosts: int = 0
 
     def actions(self) -> Counter[str]:
@@ -360,6 +361,7 @@ class TrainguardRow(Row):
         self.attempt = 0
         self.attempts: list[tuple[int, str, str, int]] = []  # (attempt, failing node, kind, step)
         self.history: list[NodeFault] = []
+        self.relaunches = {"stopped": 0, "budget spent": 0}  # times the scheduler launched the job again
 
     # ---- deciding: synthetic evidence of the real types, the real policy
     def decide(self, kind: str, f: Failure, node: str, rank: int) -> Decision:
@@ -402,6 +404,7 @@ class TrainguardRow(Row):
         if (hk := P.history_kind(d)) is not None:
             self.history.append(NodeFault(node, hk, d.reason[:200], f.t, "fleet"))
         if d.action == Action.STOP_JOB or (d.action == Action.RESTART and self.used >= self.scn.max_restarts):
+            self.relaunches["stopped" if d.action == Action.STOP_JOB else "budget spent"] += 1
             self.relaunch(kind, f)  # torch elastic ends the run when a restart finds the budget spent
         elif d.action == Action.EXCLUDE_NODE:
             peers = P.decide_on_peer_news(PeerLeft(node))  # what the other nodes do on its leaving
@@ -508,4 +511,5 @@ def _result(row: Row) -> RowResult:
     if isinstance(row, TrainguardRow):
         res.history_records = len(row.history)
         res.refused_hosts = len(refused_hosts(row.history, DEFAULT_FAULTS))
+        res.relaunches = dict(row.relaunches)
     return res
