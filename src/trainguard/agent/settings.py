@@ -124,7 +124,7 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         return problem
     nproc = str(args.nproc_per_node).strip()
     if nproc.lstrip("-").isdigit() and not 1 <= int(nproc) <= MAX_NPROC_PER_NODE:
-        return f"--nproc-per-node must be 1 to {MAX_NPROC_PER_NODE} (or auto, gpu, cpu), got {nproc}"
+        return f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE} (or auto, gpu, cpu), got {nproc}"
     if not (0 < args.monitor_interval <= MAX_MONITOR_INTERVAL_S):  # NaN fails both comparisons
         return f"--monitor-interval must be a number of seconds > 0 and <= {MAX_MONITOR_INTERVAL_S:g}, got {args.monitor_interval}"
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
