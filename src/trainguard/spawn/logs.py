@@ -260,7 +260,9 @@ def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str], which: str = "out", wa
 def _drain(fd: int, buf: bytes, dest: RankLog, stream: IO[str], which: str) -> tuple[bytes, bool]:
     """Copy what the pipe holds now, without waiting for more. Returns the unfinished line and
     whether EOF was reached."""
-    while select.select([fd], [], [], 0)[0]:
+    ready = select.poll()  # not select(): an agent of many workers has descriptors past FD_SETSIZE
+    ready.register(fd, select.POLLIN)
+    while ready.poll(0):
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             return buf, True
