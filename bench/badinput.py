@@ -267,7 +267,7 @@ CASES: list[Case] = [
                                                     "--precheck", "off", *SCRIPT), env={"SLURM_JOB_ID": "5", name: value})
       for name, value in (("SLURM_JOB_NODELIST", "n[1-99999999]"), ("SLURM_JOB_NODELIST", "n[9-1]"),
                           ("SLURM_JOB_NUM_NODES", "99999999999999999999"), ("SLURM_JOB_NODELIST", "\x01,\x02"),
-                          ("SLURM_JOB_NODELIST", "n1;rm"))),
+                          ("SLURM_JOB_NODELIST", "n1;rm,n2"))),
     Case("run: SLURM_JOB_ID=5 SLURM_RESTART_COUNT=99999999999999999999", ("run", "--run-dir", "{d}/r", "--nproc-per-node",
          "1", "--precheck", "off", *SCRIPT), env={"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "9" * 20}, expect="answer"),
     Case("run: the run dir is held by another job", (*RUN, "--node-name", "n0", *SCRIPT), beside=HOLD_LOCK),

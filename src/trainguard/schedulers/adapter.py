@@ -76,9 +76,6 @@ def autodetect(args: argparse.Namespace, env: Any = os.environ) -> slurm.SlurmJo
         raise SettingsError(f"cannot read the Slurm allocation's node list: {exc}") from None
     if job is None:
         return None
-    bad = next((problem for name in job.nodes if (problem := node_name_problem(name))), None)
-    if bad:  # torch would refuse it as the rendezvous host with a traceback
-        raise SettingsError(f"cannot read the Slurm allocation's node list: {bad}")
     args.slurm_applied = slurm.apply(args, job)
     return job
 
