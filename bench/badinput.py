@@ -49,6 +49,7 @@ class Case:
     after: Callable[[Path], str | None] | None = None
     serve: tuple[str, ...] = ()  # a dashboard case: these paths are fetched, then the server is stopped
     says: str = ""  # text the output must hold (a diagnose case's verdict or note)
+    beside: str = ""  # a process run beside the case (see SLEEPER)
 
 
 def _garbage_db(d: Path) -> None:
@@ -123,6 +124,47 @@ def _binary_log(d: Path) -> None:
     (d / "train.log").write_bytes(bytes(range(256)) * 64)
 
 
+# ---- helpers of the "run flags, environment and run-dir commands" block ------------------------
+RUN_ANY_NPROC = ("run", "--standalone", "--run-dir", "{d}/r", "--precheck", "off")
+RUN = (*RUN_ANY_NPROC, "--nproc-per-node", "1")
+SCRIPT = (str(EXAMPLE), "--steps", "2")  # a job a case lets start ends at once
+
+
+def _later_events(d: Path) -> None:
+    _events(d)  # defined below, with the run-dir damage
+
+
+def _events_naming_beside(d: Path) -> None:
+    """A run whose rank 0 had the pid the process beside the case has now (a pid reused)."""
+    _events(d, {"pids": {"0": int((d / "beside.pid").read_text())}, "attempt": 0})
+
+
+def _beside_alive(d: Path) -> str | None:
+    pid = (d / "beside.pid").read_text()
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    return None if state not in ("Z", "X", "gone") else f"the unrelated process {pid} was killed"
+
+
+# Processes beside a case (``Case.beside``, python -c code run with the case's directory as its
+# argument): each holds what another program holds in real use, prints "ready [value]" ("{port}"
+# in the case's argv is the value), and is killed once the case is done.
+SLEEPER = ("import os, sys, time\nopen(sys.argv[1] + '/beside.pid', 'w').write(str(os.getpid()))\n"
+           "print('ready', flush=True)\ntime.sleep(600)\n")
+HOLD_LOCK = ("import fcntl, os, sys, time\nos.mkdir(sys.argv[1] + '/r', 0o700)\n"
+             "fd = os.open(sys.argv[1] + '/r/agent-n0.lock', os.O_RDWR | os.O_CREAT, 0o600)\n"
+             "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\ntime.sleep(600)\n")
+HOLD_DB = ("import sqlite3, sys, time\nfrom pathlib import Path\nfrom trainguard.events import EventBus, EventStore\n"
+           "from trainguard.events.store import node_db_path\ndb = node_db_path(Path(sys.argv[1]) / 'run', 'n0')\n"
+           "s = EventStore(db)\nEventBus(s, node='n0').emit('job_started', 'go', evidence={'attempt': 0})\n"
+           "s.close()\nc = sqlite3.connect(db, isolation_level=None)\nc.execute('BEGIN EXCLUSIVE')\n"
+           "print('ready', flush=True)\ntime.sleep(600)\n")
+LISTEN = ("import socket, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+          "print('ready', s.getsockname()[1], flush=True)\ntime.sleep(600)\n")
+
+
 CASES: list[Case] = [
     # events
     Case("events: garbage events.db", ("events", "{d}/events.db"), _garbage_db),
@@ -190,6 +232,72 @@ CASES: list[Case] = [
                                            "{d}/nope.toml", str(EXAMPLE))),
     Case("run: missing script", ("run", "--standalone", "--run-dir", "{d}/r", "--nproc-per-node", "1",
                                  "--precheck", "off", "{d}/nope.py")),
+    # run flags, environment and run-dir commands: more bad input
+    *(Case(f"run: {flag} {value}", (*RUN, flag, value, *SCRIPT), expect=expect) for flag, value, expect in (
+        ("--nproc-per-node", "99999999999999999999", "usage"), ("--nnodes", "1:99999999999999999999", "usage"),
+        ("--nnodes", "3:1", "usage"), ("--rdzv-conf", "join_timeout=abc", "usage"),
+        ("--rdzv-conf", "read_timeout=99999999999999999999", "usage"), ("--rdzv-conf", "a=1,,b=2", "usage"),
+        ("--monitor-interval", "1e308", "usage"), ("--node-name", "a\nb", "usage"), ("--node-name", "\udcff", "usage"),
+        ("--run-dir", "", "usage"), ("-m", "", "usage"), ("-m", "no such module", "usage"),
+        # torchrun takes these as they are, and so does trainguard: the job runs
+        ("--max-restarts", "99999999999999999999", "answer"), ("--hang-detect-time", "1e308", "answer"),
+        ("--rdzv-id", "\x01\x1b[31m", "answer"))),
+    Case("run: --master-port 99999999999", ("run", "--run-dir", "{d}/r", "--nnodes", "1", "--master-port",
+                                            "99999999999", "--precheck", "off", *SCRIPT)),
+    Case("run: the script is a directory", (*RUN, "{d}/pkg"), lambda d: (d / "pkg").mkdir()),
+    Case("run: the script is a FIFO", (*RUN, "{d}/fifo.py"), lambda d: _fifo(d, "fifo.py"),
+         after=lambda d: _kept("fifo.py", "fifo")(d)),
+    Case("run: --no-python with a directory", (*RUN, "--no-python", "{d}/pkg"), lambda d: (d / "pkg").mkdir()),
+    Case("run: --run-dir is a FIFO", ("run", "--standalone", "--run-dir", "{d}/fifo", "--precheck", "off", *SCRIPT),
+         lambda d: _fifo(d, "fifo"), after=lambda d: _kept("fifo", "fifo")(d)),
+    Case("run: --run-dir is a dangling link", ("run", "--standalone", "--run-dir", "{d}/link", "--precheck", "off",
+                                               *SCRIPT), lambda d: (d / "link").symlink_to(d / "nowhere"),
+         after=lambda d: "the link's target was created" if (d / "nowhere").exists() else None),
+    *(Case(f"run: {name}={value!r}", (*RUN_ANY_NPROC, *SCRIPT), env={name: value}, expect=expect)
+      for name, value, expect in (
+        ("TRAINGUARD_HANG_DETECT_TIME", "nan", "usage"), ("TRAINGUARD_HANG_DETECT_TIME", "-1", "usage"),
+        ("MA_HANG_DETECT_TIME", "abc", "usage"), ("MA_HANG_DETECT_TIME", "0", "usage"),
+        ("TRAINGUARD_HANG_ACTION", "bogus", "usage"), ("TRAINGUARD_NOTIFY", "notaurl", "usage"),
+        ("PET_NPROC_PER_NODE", "abc", "usage"), ("PET_NPROC_PER_NODE", "0", "usage"),
+        ("PET_NPROC_PER_NODE", "99999999999999999999", "usage"), ("PET_MAX_RESTARTS", "abc", "usage"),
+        ("PET_NNODES", "3:1", "usage"), ("PET_MONITOR_INTERVAL", "nan", "usage"), ("PET_NO_PYTHON", "maybe", "usage"),
+        ("PET_STANDALONE", "yes", "usage"), ("PET_MASTER_PORT", "-1", "usage"), ("PET_RDZV_CONF", "timeout=soon", "usage"),
+        # an empty variable is an unset one; a huge detect time is a long one
+        ("TRAINGUARD_HANG_DETECT_TIME", "", "answer"), ("TRAINGUARD_HANG_DETECT_TIME", "1e308", "answer"))),
+    *(Case(f"run: SLURM_JOB_ID=5 {name}={value!r}", ("run", "--run-dir", "{d}/r", "--nproc-per-node", "1",
+                                                    "--precheck", "off", *SCRIPT), env={"SLURM_JOB_ID": "5", name: value})
+      for name, value in (("SLURM_JOB_NODELIST", "n[1-99999999]"), ("SLURM_JOB_NODELIST", "n[9-1]"),
+                          ("SLURM_JOB_NUM_NODES", "99999999999999999999"), ("SLURM_JOB_NODELIST", "\x01,\x02"),
+                          ("SLURM_JOB_NODELIST", "n1;rm,n2"))),
+    Case("run: SLURM_JOB_ID=5 SLURM_RESTART_COUNT=99999999999999999999", ("run", "--run-dir", "{d}/r", "--nproc-per-node",
+         "1", "--precheck", "off", *SCRIPT), env={"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "9" * 20}, expect="answer"),
+    Case("run: the run dir is held by another job", (*RUN, "--node-name", "n0", *SCRIPT), beside=HOLD_LOCK),
+    *(Case(f"{argv[0]}: the run dir is a FIFO", argv, lambda d: _fifo(d, "run")) for argv in (
+        ("events", "{d}/run"), ("status", "--once", "{d}/run"), ("trace", "{d}/run", "-o", "-"),
+        ("stacks", "{d}/run"), ("profile", "{d}/run", "on"), ("chaos", "{d}/run", "kill", "--rank", "0"))),
+    Case("events: --kind of 100,000 characters", ("events", "{d}/run", "--kind", "k" * 100_000), _later_events, expect="answer"),
+    Case("status: --node-history-faults 0", ("status", "--once", "{d}/run", "--node-history-faults", "0"), _later_events,
+         expect="answer"),
+    Case("status: --node-history-window nan", ("status", "--once", "{d}/run", "--node-history-window", "nan"), _later_events),
+    Case("status: --node-history is a directory", ("status", "--once", "{d}/run", "--node-history", "{d}"), _later_events,
+         expect="answer"),  # the view, with a line saying it goes on without node history
+    Case("stacks: --node-name a/b", ("stacks", "{d}/run", "--node-name", "a/b"), _later_events),
+    Case("profile: state bogus", ("profile", "{d}/run", "bogus"), _later_events),
+    *(Case(f"chaos: {' '.join(extra)}", ("chaos", "{d}/run", *extra), _later_events) for extra in (
+        ("kill", "--rank", "99999999999999999999"), ("kill", "--rank", "-1"), ("kill", "--node", ""),
+        ("net-delay", "--rank", "0", "--delay-ms", "nan"), ("net-loss", "--rank", "0", "--loss", "1000"),
+        ("net-slow", "--rank", "0", "--rate-kbit", "0"), ("hang", "--rank", "0", "--duration", "99999999999999999999"))),
+    Case("chaos: kill a rank whose pid is now another process", ("chaos", "{d}/run", "kill", "--rank", "0"),
+         _events_naming_beside, expect="answer|usage", beside=SLEEPER, after=_beside_alive),
+    Case("stacks: a rank whose pid is now another process", ("stacks", "{d}/run", "--timeout", "1"),
+         _events_naming_beside, expect="answer|usage", beside=SLEEPER, after=_beside_alive),
+    Case("status: the event database locked by a writer", ("status", "--once", "{d}/run"), expect="answer|usage",
+         beside=HOLD_DB),
+    Case("dashboard: --port taken by another server", ("dashboard", "{d}/run", "--port", "{port}"), _later_events,
+         beside=LISTEN),
+    Case("dashboard: --token with a line break", ("dashboard", "{d}/run", "--port", "0", "--token", "a" * 20 + "\nb"),
+         _later_events),
+    Case("dashboard: --allow-host ''", ("dashboard", "{d}/run", "--port", "0", "--allow-host", ""), _later_events),
     # no command / unknown command
     Case("unknown command", ("frobnicate",)),
 ]
@@ -672,10 +780,11 @@ def classify(rc: int | None, stdout: str, stderr: str) -> str:
 
 def run_case(case: Case, time_limit_s: float = TIME_LIMIT_S) -> Result:
     d = Path(tempfile.mkdtemp(prefix="tg-badinput-"))
+    beside, value = _start_beside(case.beside, d, time_limit_s)
     try:
         if case.setup is not None:
             case.setup(d)
-        argv = [a.replace("{d}", str(d)) for a in case.argv]
+        argv = [a.replace("{d}", str(d)).replace("{port}", value) for a in case.argv]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "MA_HANG"))}
         env.update(case.env)
         proc = subprocess.Popen([sys.executable, "-m", "trainguard", *argv], cwd=d, env=env, text=True,
@@ -696,10 +805,27 @@ def run_case(case: Case, time_limit_s: float = TIME_LIMIT_S) -> Result:
         lines = (err.strip() or (first + out).strip()).splitlines()
         return Result(case, classify(rc, first + out, err), rc, problem or (lines[-1] if lines else ""), problem)
     finally:
+        if beside is not None:
+            os.killpg(beside.pid, 9)
+            beside.wait()
+            beside.stdout.close()  # type: ignore[union-attr]
         for p in (d / "run", d / "ro", d):
             if p.exists():
                 undo_read_only(p)
         _remove_tree(d)
+
+
+def _start_beside(code: str, d: Path, time_limit_s: float) -> tuple[subprocess.Popen | None, str]:
+    """The case's process beside it, once ready, and the value it printed ("" if none)."""
+    import select
+
+    if not code:
+        return None, ""
+    proc = subprocess.Popen([sys.executable, "-c", code, str(d)], cwd=d, text=True, stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    ready, _, _ = select.select([proc.stdout], [], [], time_limit_s)
+    words = proc.stdout.readline().split() if ready else []  # type: ignore[union-attr]
+    return proc, words[1] if len(words) > 1 else ""
 
 
 def _remove_tree(d: Path) -> None:

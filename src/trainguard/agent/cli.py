@@ -131,7 +131,10 @@ def _restarts_left_unset(parser: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = get_args_parser()
+    try:
+        parser = get_args_parser()
+    except ValueError as exc:  # torch reads its PET_* switches as int(value) while building the parser
+        raise SystemExit(_bad_switch(str(exc))) from None
     _restarts_left_unset(parser)
     parser.allow_abbrev = False  # prefixes: torchrun's flags only (_torchrun_abbreviations)
     _torchrun_abbreviations(parser)
@@ -146,6 +149,15 @@ def make_parser() -> argparse.ArgumentParser:
     scheduler.add_run_arguments(parser)
     parser.error = _one_line_error(parser)  # type: ignore[method-assign]
     return parser
+
+
+def _bad_switch(error: str) -> int:
+    """One line for a PET_* switch (PET_STANDALONE, PET_NO_PYTHON...) torch's parser cannot read."""
+    literal = error.rpartition(": ")[2]
+    bad = [(k, v) for k, v in sorted(os.environ.items()) if k.startswith("PET_") and repr(v) == literal]
+    which = f"{bad[0][0]}={bad[0][1]!r}" if bad else "a PET_* variable"
+    print(f"trainguard run: error: {which}: expected 0 or 1 ({error})", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def main(args: argparse.Namespace) -> int:

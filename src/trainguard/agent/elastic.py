@@ -61,7 +61,7 @@ from trainguard.evidence import AttemptRecord, NodeLost, PeerStop, RankFailure
 from trainguard.monitors.api import Monitor, MonitorContext, MonitorSet, StepTracker, WorkerInfo
 from trainguard.policy import Action, Decision, PolicySettings
 from trainguard.probes import identity
-from trainguard.spawn import failures
+from trainguard.spawn import daemons, failures
 from trainguard.spawn.pcontext import RunDirLogsSpecs, Target, TrainguardPContext
 from trainguard.spawn.pool import WorkerPool
 
@@ -580,6 +580,17 @@ class TrainguardAgent(LocalElasticAgent):
             self.monitors.notify("on_workers_stopped", self.ctx)
         self._shutdown(timeout=self.stop_timeout)
 
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        super()._shutdown(death_sig, timeout)
+        self._report_daemons()
+
+    def _report_daemons(self) -> None:
+        """Processes the workers left running holding their output (spawn/daemons.py), once."""
+        procs = self.procs
+        if procs is not None and procs.daemons and not procs.daemons_reported:
+            procs.daemons_reported = True
+            daemons.report(self.bus, procs.daemons, self.attempt)
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         restart_count = worker_group.spec.max_restarts - torch_compat.remaining_restarts(self)
         # elastic restarts healthy groups for new rounds; the policy's RERENDEZVOUS (a node lost, a
@@ -614,6 +625,7 @@ class TrainguardAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             return self._poll_monitors(worker_group, result)
+        self._report_daemons()  # the group ended: its pumps were drained, before the job's end is recorded
         if result.state == WorkerState.FAILED:
             return self._on_failure(worker_group, result)
         if result.state == WorkerState.SUCCEEDED and self.procs is not None and self.procs.exit_crashes:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import secrets
+import shutil
 import socket
 import time
 import uuid
@@ -101,6 +101,8 @@ class RunSettings:
             raise SettingsError(problem)
         job = scheduler.autodetect(args, env)  # fills --nnodes, --node-name... before anything reads them
         sources = _from_environment(args, env)  # the rendezvous and restart budget the job's environment gives
+        if problem := _nodes_problem(args):  # the allocation's or the environment's count, as torch will read it
+            raise SettingsError(problem)
         sched = scheduler.SchedulerSettings.from_options(args, job, sources)
         monitors = MappingProxyType(plugins.read_settings(args))  # read-only, like the rest
         launch = _launch_settings(args)
@@ -122,7 +124,6 @@ def _gpu_placeholder(args: argparse.Namespace, refused_by_precheck: bool) -> arg
     return argparse.Namespace(**{**vars(args), "nproc_per_node": "1"})
 
 
-
 def _from_environment(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ...]:
     """Fill the rendezvous flags (none given) and --max-restarts (not given) from the job's
     environment; the lines that say so on the console."""
@@ -133,26 +134,77 @@ def _from_environment(args: argparse.Namespace, env: Mapping[str, str]) -> tuple
     return tuple(line for line in lines if line)
 
 
+# Bounds on numbers torch's parser takes as they come: past them a launch hangs making names or
+# processes, or fails with a traceback deep in torch (an OverflowError in a sleep, a timedelta).
+MAX_NODES = 100_000
+MAX_NPROC_PER_NODE = 4096
+MAX_MONITOR_INTERVAL_S = 86_400.0
+MAX_RDZV_INT = 2**31 - 1
+# torch's rendezvous options read as integers (RendezvousParameters.get_as_int), and as a boolean
+RDZV_INT_OPTIONS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "timeout",
+                    "read_timeout", "keep_alive_interval", "keep_alive_max_attempt")
+RDZV_BOOLS = ("1", "0", "true", "false", "yes", "no", "y", "n", "on", "off")
+
+
 def _flag_problem(args: argparse.Namespace) -> str | None:
     """A clear message for input torch's parser lets through."""
-    if not args.module and not args.no_python:
-        script = args.training_script
-        if not os.path.isfile(script):
-            return f"training script not found: {script}"
-    try:
-        parse_min_max_nnodes(args.nnodes)
-    except (RuntimeError, ValueError):
-        return f"--nnodes {args.nnodes!r}: expected a number of nodes N or MIN:MAX"
+    problem = _target_problem(args) or _nodes_problem(args)
+    if problem:
+        return problem
     nproc = str(args.nproc_per_node).strip()
-    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
-        return f"--nproc-per-node must be at least 1 (or auto, gpu, cpu), got {nproc}"
-    if not (args.monitor_interval > 0 and math.isfinite(args.monitor_interval)):
-        return f"--monitor-interval must be a number of seconds > 0, got {args.monitor_interval}"
+    if nproc.lstrip("-").isdigit() and not 1 <= int(nproc) <= MAX_NPROC_PER_NODE:
+        return f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE} (or auto, gpu, cpu), got {nproc}"
+    if not (0 < args.monitor_interval <= MAX_MONITOR_INTERVAL_S):  # NaN fails both comparisons
+        return f"--monitor-interval must be a number of seconds > 0 and <= {MAX_MONITOR_INTERVAL_S:g}, got {args.monitor_interval}"
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        return f"--master-port must be a port number 0 to 65535, got {args.master_port}"
+    if args.run_dir is not None and not str(args.run_dir).strip():
+        return "--run-dir must name a directory, got an empty string"
     try:
         Severity.parse(args.notify_severity)
     except ValueError as exc:
         return f"--notify-severity: {exc}"
-    return _std_problem(args)
+    return _rdzv_conf_problem(args.rdzv_conf) or _std_problem(args)
+
+
+def _target_problem(args: argparse.Namespace) -> str | None:
+    """What the workers would run does not exist, or is not what its flag says."""
+    target = args.training_script
+    if args.module:
+        if not all(part.isidentifier() for part in target.split(".")):
+            return f"-m {target!r}: expected a module name (dotted Python identifiers)"
+    elif args.no_python:
+        found = target if os.sep in target else shutil.which(target)
+        if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
+            return f"--no-python: {target!r} is not an executable file" + ("" if os.sep in target else " on PATH")
+    elif not os.path.isfile(target):
+        return f"training script not found: {target}"
+    return None
+
+
+def _nodes_problem(args: argparse.Namespace) -> str | None:
+    """--nnodes (or the Slurm allocation's count, once applied) as torch reads it, within bounds."""
+    try:
+        max_nodes = parse_min_max_nnodes(args.nnodes)[1]
+    except (RuntimeError, ValueError):
+        return f"--nnodes {args.nnodes!r}: expected a number of nodes N or MIN:MAX"
+    if max_nodes > MAX_NODES:
+        return f"--nnodes {args.nnodes!r}: at most {MAX_NODES} nodes"
+    return None
+
+
+def _rdzv_conf_problem(conf: str) -> str | None:
+    """torch reads --rdzv-conf (``KEY=VALUE,...``) only when it builds the rendezvous, and then
+    fails with a traceback on a malformed item or a number that is not one."""
+    for item in conf.split(",") if (conf or "").strip() else []:
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not key or not value:
+            return f"--rdzv-conf {conf!r}: expected KEY=VALUE items separated by commas, got {item!r}"
+        if key in RDZV_INT_OPTIONS and not (value.isdigit() and 0 < int(value) <= MAX_RDZV_INT):
+            return f"--rdzv-conf {key}={value!r}: expected a whole number > 0 and <= {MAX_RDZV_INT}"
+        if key == "is_host" and value.lower() not in RDZV_BOOLS:
+            return f"--rdzv-conf is_host={value!r}: expected true or false"
+    return None
 
 
 def _std_problem(args: argparse.Namespace) -> str | None:

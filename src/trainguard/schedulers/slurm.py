@@ -27,7 +27,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from trainguard.options import SettingsError
+from trainguard.options import SettingsError, node_name_problem
 from trainguard.schedulers import hostlist
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,8 @@ def apply(args: argparse.Namespace, job: SlurmJob) -> list[str]:
         put("rdzv_id", job.rdzv_id, "--rdzv-id")
     endpoint_given = bool(args.rdzv_endpoint) or args.rdzv_backend != "static" or args.master_port is not None
     if not endpoint_given and job.nnodes > 1:
+        if problem := node_name_problem(job.first_host):  # torch would refuse it as the host, with a traceback
+            raise SettingsError(f"cannot read the Slurm allocation's node list: {problem}")
         args.rdzv_backend = "c10d"
         put("rdzv_endpoint", f"{job.first_host}:{job.port}", "--rdzv-backend c10d --rdzv-endpoint")
         if job.node_name and not _has_is_host(args.rdzv_conf):

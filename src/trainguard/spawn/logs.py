@@ -19,8 +19,10 @@ import io
 import logging
 import os
 import re
+import select
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -217,21 +219,69 @@ class AgentLogHandler(logging.FileHandler):
             pass
 
 
-def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str], which: str = "out") -> None:
-    """Copy lines from a worker pipe until EOF. Runs on its own daemon thread."""
+def pump(pipe: IO[bytes], dest: RankLog, stream: IO[str], which: str = "out", wake: int | None = None,
+         drained: threading.Event | None = None) -> None:
+    """Copy lines from a worker pipe until EOF. Runs on its own daemon thread.
+
+    ``wake``: the read end of a pipe that becomes readable when the agent asks the pump to stop
+    waiting for EOF (``Pumps.stop``): what the pipe holds then is copied, ``drained`` is set, and
+    the pump goes on reading whatever a process outside the worker's group (a daemon that kept the
+    worker's stdout) writes later, until EOF or the agent's exit, into what ``dest`` does with
+    lines once closed (the agent log): the daemon is neither blocked on a full pipe nor killed by
+    SIGPIPE while the agent lives."""
+    fd = pipe.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if wake is not None:
+        poller.register(wake, select.POLLIN)
     buf = b""
     try:
-        while chunk := pipe.read1(1 << 16):  # type: ignore[attr-defined]
-            buf = _write_lines(buf + chunk, dest, stream, which)
+        while True:
+            ready = {f for f, _ in poller.poll()}
+            if wake is not None and wake in ready:
+                poller.unregister(wake)
+                wake = None
+                buf, ended = _drain(fd, buf, dest, stream, which)
+                buf = _flush(buf, dest, stream, which)
+                if drained is not None:
+                    drained.set()
+                if ended:
+                    break
+            elif ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                buf = _write_lines(buf + chunk, dest, stream, which)
     except (OSError, ValueError):
         pass
     finally:
-        if buf.rstrip(b"\r"):
-            dest.write_line(buf.rstrip(b"\r").decode("utf-8", errors="replace"), stream, "\n", which)
+        _flush(buf, dest, stream, which)
         try:
             pipe.close()
         except OSError:
             pass
+        if drained is not None:
+            drained.set()
+
+
+def _drain(fd: int, buf: bytes, dest: RankLog, stream: IO[str], which: str) -> tuple[bytes, bool]:
+    """Copy what the pipe holds now, without waiting for more. Returns the unfinished line and
+    whether EOF was reached."""
+    ready = select.poll()  # not select(): an agent of many workers has descriptors past FD_SETSIZE
+    ready.register(fd, select.POLLIN)
+    while ready.poll(0):
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return buf, True
+        buf = _write_lines(buf + chunk, dest, stream, which)
+    return buf, False
+
+
+def _flush(buf: bytes, dest: RankLog, stream: IO[str], which: str) -> bytes:
+    """Write an unfinished line as it is (the writer is gone, or no longer waited for)."""
+    if buf.rstrip(b"\r"):
+        dest.write_line(buf.rstrip(b"\r").decode("utf-8", errors="replace"), stream, "\n", which)
+    return b""
 
 
 def _write_lines(buf: bytes, dest: RankLog, stream: IO[str], which: str) -> bytes:
@@ -252,13 +302,62 @@ def _write_lines(buf: bytes, dest: RankLog, stream: IO[str], which: str) -> byte
     return rest
 
 
-def start_pumps(stdout: IO[bytes], stderr: IO[bytes], dest: RankLog) -> list[threading.Thread]:
-    threads = []
-    for pipe, stream, name in ((stdout, sys.stdout, "out"), (stderr, sys.stderr, "err")):
-        t = threading.Thread(target=pump, args=(pipe, dest, stream, name), name=f"trainguard-log-{name}", daemon=True)
-        t.start()
-        threads.append(t)
-    return threads
+class Pumps:
+    """The pump threads of one process's stdout and stderr.
+
+    A pipe reaches EOF once every process holding its write end is gone. The agent kills the
+    worker's process group, but a daemon the worker started in a session of its own
+    (``start_new_session=True``, ``os.setsid()``) keeps the worker's stdout open and the pipe
+    never ends while it lives: ``stop`` makes the pumps copy what is there and stop waiting, and
+    ``held`` says which pipes are still open (``inodes``: the pipes' inode numbers, by which the
+    processes holding them are found in /proc)."""
+
+    def __init__(self, stdout: IO[bytes], stderr: IO[bytes], dest: RankLog) -> None:
+        self._wake_r, self._wake_w = os.pipe()  # closed by the last pump to end
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._live = 2
+        self.inodes: dict[str, int] = {}
+        self._drained: dict[str, threading.Event] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        for pipe, stream, name in ((stdout, sys.stdout, "out"), (stderr, sys.stderr, "err")):
+            self.inodes[name] = os.fstat(pipe.fileno()).st_ino
+            self._drained[name] = threading.Event()
+            t = threading.Thread(target=self._run, args=(pipe, dest, stream, name), name=f"trainguard-log-{name}", daemon=True)
+            t.start()
+            self._threads[name] = t
+
+    def _run(self, pipe: IO[bytes], dest: RankLog, stream: IO[str], name: str) -> None:
+        try:
+            pump(pipe, dest, stream, name, self._wake_r, self._drained[name])
+        finally:
+            with self._lock:
+                self._live -= 1
+                if self._live == 0:
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._wake_w = -1
+
+    def wait(self, deadline: float) -> bool:
+        """Wait until both pipes ended or were drained after ``stop``, or the monotonic deadline."""
+        for ev in self._drained.values():
+            ev.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return all(ev.is_set() for ev in self._drained.values())
+
+    def stop(self) -> None:
+        """Copy what the pipes hold now and stop waiting for their EOF."""
+        with self._lock:
+            if not self._stopped and self._wake_w >= 0:
+                self._stopped = True
+                os.write(self._wake_w, b"x")
+
+    def held(self) -> dict[str, int]:
+        """The pipes (stream -> inode) still open for writing after ``stop`` drained them."""
+        return {n: self.inodes[n] for n, t in self._threads.items() if self._drained[n].is_set() and t.is_alive()}
+
+
+def start_pumps(stdout: IO[bytes], stderr: IO[bytes], dest: RankLog) -> Pumps:
+    return Pumps(stdout, stderr, dest)
 
 
 def tail(path: Path | None, lines: int = 20, max_bytes: int = 64 * 1024) -> list[str]:

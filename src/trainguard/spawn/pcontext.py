@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import (
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from trainguard import runfiles, stopsignal
+from trainguard.spawn import daemons
 from trainguard.spawn.logs import Route, error_file_path, finished_file_path, rank_log_path
 from trainguard.spawn.pool import WorkerPool, WorkerProcess
 
@@ -92,6 +93,7 @@ class _Handler(SubprocessHandler):
 
 
 PUMP_DRAIN_S = 30.0  # how long the log pumps may take to copy a stopped group's last output
+EOF_GRACE_S = 2.0  # past this, a pipe still open is held by a process outside the stopped group
 EXIT_GRACE_S = 60.0  # how long the others may take to end once a worker crashed after finishing
 
 
@@ -136,6 +138,10 @@ class TrainguardPContext(SubprocessContext):
         # group still counts as succeeded (see _exit_phase).
         self.exit_crashes: dict[int, int] = {}
         self._exit_grace_until: float | None = None
+        # Processes outside the workers' groups that held their output open at the end (None:
+        # not looked for yet); reported once by the agent (``daemons_reported``).
+        self.daemons: list[daemons.Daemon] | None = None
+        self.daemons_reported = False
 
     def _spec(self, local_rank: int) -> dict:
         env = dict(os.environ)
@@ -274,11 +280,25 @@ class TrainguardPContext(SubprocessContext):
                 os.killpg(handler.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        # Every writer of the pipes is dead now (but one that left the group): each pump reaches
-        # EOF once it has copied what is left, which on a loaded node can take a while for a
-        # hundred workers. One deadline for all: a pipe held open elsewhere cannot stall the agent.
-        deadline = time.monotonic() + PUMP_DRAIN_S
-        for handler in self.subprocess_handlers.values():
-            for t in handler.worker.pumps:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
-            handler.worker.output.close()
+        self._drain_pumps()
+
+    def _drain_pumps(self) -> None:
+        """Every writer of the pipes in the workers' groups is dead now: each pump reaches EOF once
+        it has copied what is left, which on a loaded node can take a while for a hundred workers
+        (one deadline for all). A pipe still open past a short grace is held by a process outside
+        the group (a daemon in its own session): its pump copies what is there and stops waiting,
+        and the holders are named (``daemons``; the agent reports them), never waited for."""
+        now = time.monotonic()
+        deadline, grace = now + PUMP_DRAIN_S, now + EOF_GRACE_S
+        pumps = {lr: h.worker.pumps for lr, h in self.subprocess_handlers.items() if h.worker.pumps is not None}
+        for p in pumps.values():
+            p.wait(min(grace, deadline))
+        for p in pumps.values():
+            p.stop()
+        for lr, p in pumps.items():
+            p.wait(deadline)
+            self.subprocess_handlers[lr].worker.output.close()
+        held = {lr: (self.global_rank(lr), self.subprocess_handlers[lr].proc.pid, pipes)
+                for lr, p in pumps.items() if (pipes := p.held())}  # fmt: skip
+        if held and self.daemons is None:
+            self.daemons = daemons.find(held)

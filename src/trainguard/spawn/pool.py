@@ -26,9 +26,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from trainguard.spawn.logs import RankLog, start_pumps
+from trainguard.spawn.logs import Pumps, RankLog, start_pumps
 from trainguard.spawn.zygote import Zygote, ZygoteChild, ZygoteError, take_early
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class WorkerProcess:
     proc: subprocess.Popen | ZygoteChild
     output: RankLog
     prestarted: bool
-    pumps: list[threading.Thread] = field(default_factory=list)
+    pumps: Pumps | None = None
 
     def assign(self, spec: dict) -> None:
         if not self.prestarted:

@@ -236,8 +236,7 @@ class Zygote:
             self.proc.wait(timeout=10)
         self._reader.join(timeout=15)
         self._sock.close()
-        for t in self._pumps:
-            t.join(timeout=2)
+        self._pumps.wait(time.monotonic() + 2)
         self.output.close()
 
 

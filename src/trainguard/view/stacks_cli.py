@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from trainguard.events.summary import JobSummary, NodeState
-from trainguard.options import seconds
+from trainguard.options import node_name, seconds
 from trainguard.probes import identity, stacks
 from trainguard.rundir import stack_requests as req
 from trainguard.rundir.readers import NotARunDir, check_run_dir, read_events
@@ -29,7 +29,7 @@ LIVE = ("starting", "running", "recovering", "restarting")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the job's run directory")
     p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for other nodes' agents (default 30)")
-    p.add_argument("--node-name", action="append", default=None, metavar="NAME",
+    p.add_argument("--node-name", action="append", default=None, metavar="NAME", type=node_name,
                    help="this host's node name when the job ran with --node-name (repeatable); default: the hostname")
     p.add_argument("--via-agents", action="store_true", help="ask every node's agent, this host's too (no local py-spy)")
     p.add_argument("--json", action="store_true", help="one JSON object per rank")

@@ -286,6 +286,11 @@ def _token_problem(args: argparse.Namespace) -> str | None:
     if args.token is not None and len(args.token) < MIN_TOKEN:
         return (f"the API needs a --token of at least {MIN_TOKEN} characters (or none: a random one is made; "
                 "--no-token turns it off on loopback)")
+    if args.token is not None and not args.token.isprintable():  # a line break or an escape: a pasting mistake
+        return "--token must be printable characters (no line breaks, tabs or control characters)"
+    bad = [h for h in args.allow_host if not h.strip() or not h.isprintable() or " " in h]
+    if bad:
+        return f"--allow-host {bad[0]!r}: expected a DNS name"
     return None
 
 
