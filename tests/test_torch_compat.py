@@ -397,3 +397,14 @@ def test_the_first_rendezvous_keeps_torchs_skew_between_nodes_joining_at_once():
         d._saved = skew.append  # torch's own _delay, recorded instead of slept
         dr._delay(seconds=(0, 0.3))
         assert skew == [(0, 0.3)] and slept == []
+
+
+def test_the_installed_torch_is_one_the_private_uses_were_checked_on():
+    """A torch release nobody ran bench/compat.sh on fails here, naming what to do, instead of
+    in a private path at a user's restart."""
+    version = torch.__version__.split("+")[0]
+    release = ".".join(version.split(".")[:2])
+    assert release in C.CHECKED_ON, (
+        f"torch {torch.__version__} is not among torch_compat.CHECKED_ON {C.CHECKED_ON}: run "
+        f"`TORCH_VERSION={version} bash bench/compat.sh`, fix what fails, then add {release}"
+    )

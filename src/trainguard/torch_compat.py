@@ -12,6 +12,20 @@ Replaced by public paths (no longer used): ``torch.distributed.launcher.api._get
 ``multiprocessing.api._terminate_process_handler`` (agent/launch.py raises the public
 ``SignalException`` itself); ``agent._worker_group`` (``get_worker_group()``).
 
+Checked on torch 2.13 (CI's pin: tests/test_torch_compat.py) and 2.14 (2.14.1: ``bash
+bench/compat.sh`` runs the same tests, the Flight Recorder, hang, rendezvous and restart tests in a
+venv with that torch): every private name below, and those used outside this module (torch's
+``_WorkerServer`` and its Flight Recorder dump format, worker/flight.py and
+probes/flight_recorder.py; ``FileTimerServer._reap_worker``, agent/file_timer.py), is the same in
+both, so no use needs a version branch. Each still falls back as its docstring says when a torch
+lacks the name (False / None / torch's own behaviour, never a traceback). A torch release not in
+``CHECKED_ON`` fails tests/test_torch_compat.py until bench/compat.sh has been run on it.
+
+torch 2.14 adds public per-process-group collective hooks (``ProcessGroup.register_pre_hook`` /
+``register_post_hook``, which also see DDP's C++ all-reduce): they could replace the wrapped
+``torch.distributed`` collectives and DDP comm hook of worker/hooks.py once 2.13 is no longer
+supported; they do not exist in 2.13.
+
 Nothing is imported at module level: workers import this module too, and must not pay for it.
 """
 
@@ -22,6 +36,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# torch releases (major.minor) every private use here was checked on (see above).
+CHECKED_ON = ("2.13", "2.14")
 
 # --------------------------------------------------------------------------- elastic agent
 

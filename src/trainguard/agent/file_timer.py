@@ -8,6 +8,10 @@ the expired worker is killed, the expiry is reported (rank, scope), and the poli
 restart as for any other failed worker. Two guards torch does not have: only this agent's own
 workers are ever signalled (anyone who can write the FIFO names the pid), and the FIFO torch
 would put in the shared /tmp lives in a private directory.
+
+Private torch used: ``FileTimerServer._reap_worker(pid, signal) -> bool`` and the ``log_event``
+name "kill worker process"; checked on torch 2.13 and 2.14 (torch_compat.CHECKED_ON,
+tests/test_torch_compat.py under bench/compat.sh).
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Handlers asked: ``fr_trace_json`` (the CPU backends' recorder: gloo) and ``dump_
 ``{pg_id, process_group: [id, desc], collective_seq_id, p2p_seq_id, is_p2p, profiling_name,
 state, retired, ...}``. An entry is a rank's call; ``retired`` when its work finished (gloo
 leaves ``state`` at "scheduled"), ``state`` "completed" when NCCL's end event fired.
+The handlers' names and this format are torch's, not public; checked on torch 2.13 and 2.14
+(torch_compat.CHECKED_ON; tests/test_flight_recorder.py under bench/compat.sh). A handler that is
+missing or an entry without these fields is skipped: the view then says why it has nothing.
 
 The socket sits beside the worker's ring (``<ring prefix>-a<attempt>-r<rank>.fr``, the prefix
 carrying the agent's pid and a random token), made with mode 0600 by the worker: only the user's

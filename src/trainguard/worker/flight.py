@@ -7,6 +7,10 @@ may ask; one handler runs py-spy). torch prints a line when the server starts an
 destroyed; neither is the user's business: the start is made with stderr pointed away (nothing
 else runs yet at that moment: this is the import of torch), and the server is never destroyed (the
 process's end closes its socket; the agent removes the file with the rings).
+
+``torch._C._distributed_c10d._WorkerServer(path)`` is private; checked on torch 2.13 and 2.14
+(torch_compat.CHECKED_ON; tests/test_flight_recorder.py under bench/compat.sh). A torch without
+it: ``start`` says why in one line and the probe's view of that rank carries the reason instead.
 """
 
 from __future__ import annotations
