@@ -77,10 +77,15 @@ ENV_FINITE_ONLY = "TRAINGUARD_CKPT_FINITE_ONLY"
 OVERLAP_DEFAULT = False
 ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # the tmpfs for snapshot dirs (the agent's default; local mode's too)
 MAX_CANDIDATES = 64
-NSLOTS = 2
-# Slots per rank, when the agent says so (TRAINGUARD_CKPT_SLOTS, 2..4): 3 with buddy replication,
-# so that the step before the newest is still in memory while the agent pins an older one to
-# persist it: a lost node's replica may be a step behind the survivors' newest.
+# Slots per rank. Three, not two: the persister pins the slot it writes (for seconds when it gets
+# little CPU), and a rank must hold, whenever it can die, its newest committed step and, once the
+# next is committed, the step before it too; the ranks of a job are at most one save apart, so
+# that is the step every rank holds and a restart resumes. With two slots and one pinned, the
+# rank could only write over its newest snapshot (left holding the pinned older step, which the
+# other ranks had rotated past: no common step, a restart from scratch) or skip saves (the same,
+# a few saves later).
+NSLOTS = 3
+# Slots per rank, when the agent says so (TRAINGUARD_CKPT_SLOTS, NSLOTS..MAX_SLOTS).
 ENV_SLOTS = "TRAINGUARD_CKPT_SLOTS"
 MAX_SLOTS = 4
 _WORLD_BITS = 20  # candidate keys: step << 20 | world size
@@ -326,11 +331,12 @@ class Checkpointer:
 
     def _target_slot(self) -> int | None:
         """The slot to write: the oldest one not holding our newest snapshot, unless the agent is
-        persisting it right now (pinned); then the next oldest, and last the newest one rather than
-        skipping the save (only a death in the middle of that write falls back to the pinned, older
-        snapshot)."""
+        persisting it right now (pinned); then the next oldest. Never the newest one while another
+        slot is usable: a death in the middle of that write would leave only older steps, maybe
+        none that the other ranks still hold (see NSLOTS). None: every other slot is pinned (the
+        caller waits for the agent, or skips)."""
         order = sorted((i for i in self._usable if i != self._latest), key=self._complete_seq)
-        if self._latest is not None:
+        if self._latest is not None and len(self._usable) == 1:  # a full tmpfs left only this one
             order.append(self._latest)
         for i in order:
             slot = self._slots[i]
@@ -349,7 +355,7 @@ class Checkpointer:
         while self._usable:
             index = self._target_slot()
             if index is None and len(self._usable) < self.nslots:
-                index = self._wait_unpinned()  # one slot left: skipping would lose every save the agent overlaps
+                index = self._wait_unpinned()  # a full tmpfs left fewer slots: skipping would lose every save the agent overlaps
             if index is None:
                 self._note_skip(step)
                 return None, None
