@@ -399,7 +399,22 @@ class Checkpointer:
 
     def _evict(self, index: int, step: int, size: int, exc: OSError) -> None:
         """No room in the tmpfs for slot ``index`` (this rank's oldest snapshot, or a slot not made
-        yet): give its memory back and keep one slot fewer, so the newest snapshot replaces the oldest."""
+        yet): give its memory back and keep one slot fewer, so the newest snapshot replaces the oldest.
+        A slot not made yet goes with the others not made yet (as big, they do not fit either), so
+        the one report says how many slots the rank really keeps."""
+        unmade = [i for i in self._usable if self._slots[i] is None] if self._slots[index] is None else [index]
+        for i in unmade:
+            self._give_back(i)
+        where = f"{self.shm_dir.parent} has no room for a {size / 1e6:.1f} MB slot ({exc.strerror or exc})"
+        if self._usable:
+            self._shm_trouble("shm_full", "evicted_oldest", step, f"{where}: evicted this rank's oldest snapshot; "
+                              f"keeping {len(self._usable)} slot(s) instead of {self.nslots}, each new snapshot "
+                              "replaces the oldest", where)
+        else:
+            self._shm_trouble("shm_full", "direct_to_disk", step, f"{where}, not even for one slot: snapshots are "
+                              f"written straight to {self.ckpt_dir} by the training process", where)
+
+    def _give_back(self, index: int) -> None:
         self._usable.remove(index)
         self._release_buf(index)
         slot = self._slots[index]
@@ -409,14 +424,6 @@ class Checkpointer:
         slot_path(self.shm_dir, self.rank, index).unlink(missing_ok=True)
         if self._latest == index:
             self._latest = None
-        where = f"{self.shm_dir.parent} has no room for a {size / 1e6:.1f} MB slot ({exc.strerror or exc})"
-        if self._usable:
-            self._shm_trouble("shm_full", "evicted_oldest", step, f"{where}: evicted this rank's oldest snapshot; "
-                              f"keeping {len(self._usable)} slot(s) instead of {self.nslots}, each new snapshot "
-                              "replaces the oldest", where)
-        else:
-            self._shm_trouble("shm_full", "direct_to_disk", step, f"{where}, not even for one slot: snapshots are "
-                              f"written straight to {self.ckpt_dir} by the training process", where)
 
     def _drop_slots(self) -> None:
         """Forget every slot (their files are gone): the next save creates new ones."""
