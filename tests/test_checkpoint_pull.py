@@ -77,7 +77,7 @@ def test_a_standby_pulls_the_lost_ranks_newest_steps_from_the_buddy_and_resumes_
     key = JobKey.for_job("pull", single_node=False)
     run_dir = tmp_path / "run"
     events = EventStore(run_dir)
-    mons = {n: CheckpointMonitor(ckpt_dir=tmp_path / f"ckpt-{n}", keep=2, shm_root=shm_root, multi_node=True)
+    mons = {n: CheckpointMonitor(ckpt_dir=tmp_path / f"ckpt-{n}", keep=2, shm_root=shm_root)
             for n in ("a", "b", "c")}
     stores = []
 

@@ -108,22 +108,21 @@ def test_checkpoint_save_persist_load_and_keep_k(monitor):
 def test_checkpoint_double_buffer_keeps_last_complete_snapshot_when_a_save_is_torn(monitor):
     _, env, _, _ = monitor
     w = worker(env)
-    assert w.save(state_at(1), 1)
-    assert w.save(state_at(2), 2)
-    # The worker dies in the middle of writing step 3: that slot is left WRITING, half copied.
+    for step in (1, 2, 3):  # one per slot
+        assert w.save(state_at(step), step)
+    # The worker dies in the middle of writing step 4: that slot (step 1's) is left WRITING, half copied.
     index = w._target_slot()
     slot = w._slots[index]
     slot.begin_write(99)
     slot.mm[slot.size - 8 :] = b"garbage!"
     w.close()
     w2 = worker(env)
-    assert w2.load_latest()["step"] == 2
-    assert {
-        Slot.open(slot_path(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), 0, i)).header().state for i in (0, 1)
-    } == {COMPLETE, WRITING}
-    # The next save goes to the torn slot, not over step 2.
-    assert w2.save(state_at(3), 3)
-    assert sorted(w2._memory_steps()) == [2, 3]
+    assert w2.load_latest()["step"] == 3
+    states = [Slot.open(slot_path(Path(env["TRAINGUARD_CKPT_SHM_DIR"]), 0, i)).header().state for i in range(3)]
+    assert sorted(states) == [WRITING, COMPLETE, COMPLETE]
+    # The next save goes to the torn slot, not over step 2 or 3.
+    assert w2.save(state_at(4), 4)
+    assert sorted(w2._memory_steps()) == [2, 3, 4]
     w2.close()
 
 
@@ -136,26 +135,28 @@ def test_checkpoint_state_that_grows_gets_a_bigger_slot(monitor):
     w.close()
 
 
-def test_checkpoint_pinned_slot_is_not_overwritten(monitor):
+def test_checkpoint_pinned_slot_is_not_overwritten_and_neither_is_the_newest(monitor):
+    """The agent pins the slot it persists; the rank writes another one, and never the slot of its
+    newest snapshot: a death in that write would leave it only older steps (test_checkpoint_common_step)."""
     _, env, _, _ = monitor
     w = worker(env)
-    assert w.save(state_at(1), 1)
-    assert w.save(state_at(2), 2)
-    older = 1 - w._latest
-    agent_view = Slot.open(w._slots[older].path)
-    agent_view.set_pin(agent_view.header().seq)  # the agent is persisting step 1 right now
-    assert w.save(state_at(3), 3)  # goes over step 2, leaves the pinned step 1 alone
-    assert sorted(w._memory_steps()) == [1, 3]
-    newest = Slot.open(w._slots[w._latest].path)
-    newest.set_pin(newest.header().seq)
-    assert not w.save(state_at(4), 4)  # both held: skipped, nothing torn
-    assert w.skipped == 1 and sorted(w._memory_steps()) == [1, 3]
-    newest.set_pin(0)
+    for step in (1, 2, 3):
+        assert w.save(state_at(step), step)
+    agent_view = Slot.open(w._slots[w._memory_steps()[2]].path)
+    agent_view.set_pin(agent_view.header().seq)  # the agent is persisting step 2 right now
+    assert w.save(state_at(4), 4)  # goes over step 1
+    assert w.save(state_at(5), 5)  # goes over step 3, leaves the pinned step 2 and the newest (4) alone
+    assert sorted(w._memory_steps()) == [2, 4, 5]
+    other = Slot.open(w._slots[w._memory_steps()[4]].path)
+    other.set_pin(other.header().seq)  # every slot but the newest held (a test only: the agent pins one)
+    assert not w.save(state_at(6), 6)  # skipped, nothing torn, the newest not written over
+    assert w.skipped == 1 and sorted(w._memory_steps()) == [2, 4, 5]
+    other.set_pin(0)
     agent_view.set_pin(0)
-    assert w.save(state_at(4), 4)
-    assert sorted(w._memory_steps()) == [3, 4]
+    assert w.save(state_at(6), 6)
+    assert sorted(w._memory_steps()) == [4, 5, 6]
     agent_view.close()
-    newest.close()
+    other.close()
     w.close()
 
 

@@ -77,10 +77,15 @@ ENV_FINITE_ONLY = "TRAINGUARD_CKPT_FINITE_ONLY"
 OVERLAP_DEFAULT = False
 ENV_SHM_ROOT = "TRAINGUARD_CKPT_SHM_ROOT"  # the tmpfs for snapshot dirs (the agent's default; local mode's too)
 MAX_CANDIDATES = 64
-NSLOTS = 2
-# Slots per rank, when the agent says so (TRAINGUARD_CKPT_SLOTS, 2..4): 3 with buddy replication,
-# so that the step before the newest is still in memory while the agent pins an older one to
-# persist it: a lost node's replica may be a step behind the survivors' newest.
+# Slots per rank. Three, not two: the persister pins the slot it writes (for seconds when it gets
+# little CPU), and a rank must hold, whenever it can die, its newest committed step and, once the
+# next is committed, the step before it too; the ranks of a job are at most one save apart, so
+# that is the step every rank holds and a restart resumes. With two slots and one pinned, the
+# rank could only write over its newest snapshot (left holding the pinned older step, which the
+# other ranks had rotated past: no common step, a restart from scratch) or skip saves (the same,
+# a few saves later).
+NSLOTS = 3
+# Slots per rank, when the agent says so (TRAINGUARD_CKPT_SLOTS, NSLOTS..MAX_SLOTS).
 ENV_SLOTS = "TRAINGUARD_CKPT_SLOTS"
 MAX_SLOTS = 4
 _WORLD_BITS = 20  # candidate keys: step << 20 | world size
@@ -326,11 +331,12 @@ class Checkpointer:
 
     def _target_slot(self) -> int | None:
         """The slot to write: the oldest one not holding our newest snapshot, unless the agent is
-        persisting it right now (pinned); then the next oldest, and last the newest one rather than
-        skipping the save (only a death in the middle of that write falls back to the pinned, older
-        snapshot)."""
+        persisting it right now (pinned); then the next oldest. Never the newest one while another
+        slot is usable: a death in the middle of that write would leave only older steps, maybe
+        none that the other ranks still hold (see NSLOTS). None: every other slot is pinned (the
+        caller waits for the agent, or skips)."""
         order = sorted((i for i in self._usable if i != self._latest), key=self._complete_seq)
-        if self._latest is not None:
+        if self._latest is not None and len(self._usable) == 1:  # a full tmpfs left only this one
             order.append(self._latest)
         for i in order:
             slot = self._slots[i]
@@ -349,7 +355,7 @@ class Checkpointer:
         while self._usable:
             index = self._target_slot()
             if index is None and len(self._usable) < self.nslots:
-                index = self._wait_unpinned()  # one slot left: skipping would lose every save the agent overlaps
+                index = self._wait_unpinned()  # a full tmpfs left fewer slots: skipping would lose every save the agent overlaps
             if index is None:
                 self._note_skip(step)
                 return None, None
@@ -393,7 +399,22 @@ class Checkpointer:
 
     def _evict(self, index: int, step: int, size: int, exc: OSError) -> None:
         """No room in the tmpfs for slot ``index`` (this rank's oldest snapshot, or a slot not made
-        yet): give its memory back and keep one slot fewer, so the newest snapshot replaces the oldest."""
+        yet): give its memory back and keep one slot fewer, so the newest snapshot replaces the oldest.
+        A slot not made yet goes with the others not made yet (as big, they do not fit either), so
+        the one report says how many slots the rank really keeps."""
+        unmade = [i for i in self._usable if self._slots[i] is None] if self._slots[index] is None else [index]
+        for i in unmade:
+            self._give_back(i)
+        where = f"{self.shm_dir.parent} has no room for a {size / 1e6:.1f} MB slot ({exc.strerror or exc})"
+        if self._usable:
+            self._shm_trouble("shm_full", "evicted_oldest", step, f"{where}: evicted this rank's oldest snapshot; "
+                              f"keeping {len(self._usable)} slot(s) instead of {self.nslots}, each new snapshot "
+                              "replaces the oldest", where)
+        else:
+            self._shm_trouble("shm_full", "direct_to_disk", step, f"{where}, not even for one slot: snapshots are "
+                              f"written straight to {self.ckpt_dir} by the training process", where)
+
+    def _give_back(self, index: int) -> None:
         self._usable.remove(index)
         self._release_buf(index)
         slot = self._slots[index]
@@ -403,14 +424,6 @@ class Checkpointer:
         slot_path(self.shm_dir, self.rank, index).unlink(missing_ok=True)
         if self._latest == index:
             self._latest = None
-        where = f"{self.shm_dir.parent} has no room for a {size / 1e6:.1f} MB slot ({exc.strerror or exc})"
-        if self._usable:
-            self._shm_trouble("shm_full", "evicted_oldest", step, f"{where}: evicted this rank's oldest snapshot; "
-                              f"keeping {len(self._usable)} slot(s) instead of {self.nslots}, each new snapshot "
-                              "replaces the oldest", where)
-        else:
-            self._shm_trouble("shm_full", "direct_to_disk", step, f"{where}, not even for one slot: snapshots are "
-                              f"written straight to {self.ckpt_dir} by the training process", where)
 
     def _drop_slots(self) -> None:
         """Forget every slot (their files are gone): the next save creates new ones."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import mmap
 import os
 import shutil
@@ -448,22 +449,34 @@ class VerifiedCache:
             return None
         return (a.st_ino, a.st_size, a.st_mtime_ns, b.st_ino, b.st_size, b.st_mtime_ns)
 
-    def add(self, ckpt_dir: Path, rank: int, step: int, persisted_at: float) -> None:
+    def add(self, ckpt_dir: Path, rank: int, step: int, taken: float) -> None:
         ident = self._identity(ckpt_dir, rank, step)
         if ident is not None:
-            self.ok[(rank, step)] = (ident, persisted_at)
+            self.ok[(rank, step)] = (ident, taken)
 
     def check(self, ckpt_dir: Path, rank: int, step: int) -> float:
-        """When the checkpoint was persisted; raises CorruptCheckpoint when it does not verify."""
+        """When the checkpoint's state was taken (``taken_at``); raises CorruptCheckpoint when it
+        does not verify."""
         ident = self._identity(ckpt_dir, rank, step)
         known = self.ok.get((rank, step))
         if known is not None and ident is not None and known[0] == ident:
             return known[1]
         meta = verify_checkpoint(ckpt_dir, rank, step)
-        when = meta.get("persisted_at")
-        when = float(when) if isinstance(when, int | float) else 0.0
+        when = taken_at(meta)
         self.add(ckpt_dir, rank, step, when)
         return when
+
+
+def taken_at(meta: dict[str, Any]) -> float:
+    """When the rank took the snapshot (``save``), which orders checkpoints for pruning; the time it
+    was persisted for a manifest without one; 0 for neither. Not the time it was written: at a
+    breakpoint the agent writes a rank's older snapshots after its newest, and a restart from an
+    older step (a NaN replay) makes newer snapshots of lower steps; the taking time orders both."""
+    for key in ("time", "persisted_at"):
+        when = meta.get(key)
+        if isinstance(when, int | float) and not isinstance(when, bool) and math.isfinite(when):
+            return float(when)
+    return 0.0
 
 
 @dataclass
@@ -475,8 +488,8 @@ class Pruned:
 
 def prune(ckpt_dir: Path, rank: int, keep: int, cache: VerifiedCache | None = None,
           newest: int | None = None, world: int | None = None) -> Pruned:
-    """Keep this rank's ``keep`` most recently persisted checkpoints that verify (``newest``, the
-    step just written, always); delete its older ones; move the ones that do not verify to the
+    """Keep this rank's ``keep`` most recently taken checkpoints that verify (``taken_at``;
+    ``newest``, the step just written, always); delete its older ones; move the ones that do not verify to the
     quarantine (they are not counted as kept, and not deleted). Rank 0 also deletes, with the
     steps it deletes, the files of ranks >= ``world`` (a bigger world's, after a shrink)."""
     cache = cache or VerifiedCache()

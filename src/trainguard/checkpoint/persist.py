@@ -245,7 +245,7 @@ class Persister:
                     )
             _remember(self._done_seqs[rank], hdr.seq)
             self._failed_seqs[rank].discard(hdr.seq)
-            self._verified.add(self.ckpt_dir, rank, hdr.step, time.time())  # checked while written
+            self._verified.add(self.ckpt_dir, rank, hdr.step, disk.taken_at(meta))  # checked while written
             self._prune(rank, hdr)
             return result
         except disk.SnapshotChanged:

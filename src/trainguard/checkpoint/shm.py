@@ -1,9 +1,9 @@
 """Shared-memory slots: one file in a tmpfs directory (``/dev/shm/...``) holds one rank's snapshot.
 
 Handshake: the agent creates the directory and passes it to workers (``TRAINGUARD_CKPT_SHM_DIR``).
-A worker creates its own two slot files there, ``rank-<global rank>.slot0/1`` (double buffering:
-it always writes the slot that does not hold its newest complete snapshot), sized when it first
-saves. The files outlive the worker (a SIGKILL leaves them intact: the bytes are already in the page
+A worker creates its own slot files there, ``rank-<global rank>.slot0/1/2`` (three: it never
+writes the slot of its newest complete snapshot, nor the one the agent pins; client.NSLOTS says
+why), sized when it first saves. The files outlive the worker (a SIGKILL leaves them intact: the bytes are already in the page
 cache) and the agent removes the whole directory when it closes, so the agent owns cleanup.
 
 Slot layout: a 4 KiB header page, the JSON manifest at ``manifest_off``, the tensor bytes at

@@ -2,7 +2,7 @@
 
 Before the first worker start it creates a private directory under ``--ckpt-shm-dir`` (tmpfs,
 ``/dev/shm``) and hands it to workers (``TRAINGUARD_CKPT_SHM_DIR``). Each worker creates its
-rank's two slot files there on its first ``trainguard.checkpoint.save``; the files outlive worker
+rank's three slot files there on its first ``trainguard.checkpoint.save``; the files outlive worker
 deaths (SIGKILL included) and the directory is removed when the agent closes. A background thread
 persists each new snapshot to ``--ckpt-dir`` (temp file, fsync, atomic rename, manifest with
 CRC32, newest ``--ckpt-keep`` kept). When workers fail, the newest complete snapshots are
@@ -40,6 +40,7 @@ from trainguard.checkpoint.client import (
     ENV_SHM_DIR,
     ENV_SHM_ROOT,
     ENV_SLOTS,
+    NSLOTS,
 )
 from trainguard.checkpoint.persist import Persister, rescue_orphan
 from trainguard.checkpoint.pull import held_here, needed, pull
@@ -77,11 +78,10 @@ class CheckpointSettings:
     overlap: bool = False  # copy CPU tensors during the next forward/backward
     replicas: int | None = None  # buddy nodes each snapshot is sent to (None: 1 when the job has more than one node)
     replica_limit_mb_s: float = 0.0  # replication send rate cap (0: none; the sender runs at nice 10 anyway)
-    multi_node: bool = False  # --nnodes allows more than one node (derived): 3 snapshot slots per rank when replicating
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> CheckpointSettings:
-        return cls(overlap=bool(options.ckpt_overlap), multi_node=_max_nodes(getattr(options, "nnodes", None)) > 1, **given(options, {
+        return cls(overlap=bool(options.ckpt_overlap), **given(options, {
             "ckpt_dir": "ckpt_dir",
             "keep": "ckpt_keep",
             "shm_root": "ckpt_shm_dir",
@@ -89,15 +89,6 @@ class CheckpointSettings:
             "replicas": "ckpt_replicas",
             "replica_limit_mb_s": "ckpt_replica_limit",
         }))  # fmt: skip
-
-
-def _max_nodes(nnodes: str | None) -> int:
-    from torch.distributed.run import parse_min_max_nnodes
-
-    try:
-        return parse_min_max_nnodes(str(nnodes or "1"))[1]
-    except (ValueError, RuntimeError):  # the launcher reports a bad --nnodes itself
-        return 1
 
 
 def add_run_arguments(group: argparse._ArgumentGroup) -> None:
@@ -143,10 +134,10 @@ class CheckpointMonitor(Monitor):
         self.overlap = s.overlap
         self.replicas = s.replicas
         self.replica_limit = s.replica_limit_mb_s * 1e6
-        # Three slots per rank when replicating: the survivors keep the step before their newest
-        # even while the agent pins an older one to persist it (a lost node's replica may be a
-        # step behind); two otherwise.
-        self.slots = 3 if s.multi_node and s.replicas != 0 else 2
+        # Three slots per rank: a rank keeps its newest two steps while the persister pins a slot
+        # (client.NSLOTS says why two slots lose the step every rank holds). With replication that
+        # also keeps the step a lost node's replica may be behind the survivors' newest.
+        self.slots = NSLOTS
         self._server: ReplicaServer | None = None
         self._replica_key = b""  # the job key's replica key, once the server listens
         self._replicator: Replicator | None = None
