@@ -1,5 +1,5 @@
 """Bad input against every command: each case must give an answer or one line on stderr with exit
-code 2 — never a traceback, never a hang (issue 18).
+code 2 — never a traceback, never a hang.
 
     python bench/badinput.py            # every case, one line each, then the outcome counts
     python bench/badinput.py --only check
@@ -7,7 +7,7 @@ code 2 — never a traceback, never a hang (issue 18).
 Cases run as real processes (``python -m trainguard ...``) on real files made in a temporary
 directory: garbage and directory event databases, read-only run dirs, crafted logs, out-of-range
 ports and numbers; every reader of a run dir against every run-dir file damaged, missing, a
-FIFO, a symlink or a directory (issue 28), the dashboard served and fetched; ``trace -o`` and
+FIFO, a symlink or a directory, the dashboard served and fetched; ``trace -o`` and
 ``profile`` targets that must be left as they were (an after-check says so). ``run`` cases stop
 before any worker starts (their flags are refused). tests/test_badinput.py runs the same table.
 
@@ -303,7 +303,7 @@ CASES: list[Case] = [
 ]
 
 
-# ---- run-dir files: every reader against every way a file can be damaged (issue 28) -------------
+# ---- run-dir files: every reader against every way a file can be damaged ------------------------
 VICTIM = "victim.txt"  # a file outside the run dir that links point to: it must never change
 VICTIM_TEXT = "another application's file\n"
 

@@ -1,6 +1,6 @@
 """torchrun conformance: the scenarios of PyTorch's own launcher tests (test/distributed/launcher/
 test_run.py, re-expressed as command lines, with worker scripts of our own), plus the ones a new user
-tried (issue 29), run with `torchrun` and with `trainguard run` in the same run. Each scenario
+tried, run with `torchrun` and with `trainguard run` in the same run. Each scenario
 observes what the user sees (exit status, the files the workers touched, console lines, the files
 under --log-dir, the workers' environment) and the two launchers must observe the same, except for
 the documented differences (DIFFERENCES: each listed once, each named by the scenarios that show it).
@@ -214,7 +214,7 @@ def scenarios() -> list[Scenario]:
                                      "--monitor-interval=1", "{w}/init.py", "--init-method=env://"], source="test_init_method_env_with_torchelastic"),
         Scenario("capture-logs", [*base, "--nproc-per-node=4", "--redirect=3", "--tee=3", *sh], _creating_lines,
                  env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "}, source="test_capture_logs_using_default_logs_specs"),
-        # Beyond torch's tests: what a new user tried (issue 29).
+        # Beyond torch's tests: what a new user tried.
         Scenario("log-dir-files", [*base, "--nproc-per-node=2", "--redirects=3", "--log-dir={w}/logs", *sh], _log_dir),
         Scenario("tee-filter-files", [*base, "--nproc-per-node=3", "--tee=1", "--local-ranks-filter=0,2", "--log-dir={w}/logs", *sh],
                  _log_dir),

@@ -210,7 +210,7 @@ def _ranks(rep: Report) -> list[str]:
 
 
 def confusion(rep: Report) -> dict[str, tuple[int, int]]:
-    """(wrong, of) for the four confusions the issue names."""
+    """(wrong, of) for the four confusions the accuracy goals name."""
     def count(label, wrong) -> tuple[int, int]:  # noqa: E306
         os_ = [o for o in rep.outcomes if label(o.case.category)]
         return sum(wrong(o.category) for o in os_), len(os_)
@@ -282,7 +282,7 @@ def render(rep: Report, misses: bool = False, held: HeldOut | None = None, froze
     old = [o for o in rep.outcomes if o.case.label.get("split") == "holdout"]
     if old:
         hr = [o for o in old if o.case.rank is not None]
-        out.append(f"held-out split (cases written after the rules of issue 12): category {sum(o.right for o in old)}/{len(old)}, "
+        out.append(f"held-out split (cases written after the real-world format rules): category {sum(o.right for o in old)}/{len(old)}, "
                    f"rank {sum(o.rank == o.case.rank for o in hr)}/{len(hr)}")  # fmt: skip
     out.append("")
     out.append(summary_line("tuning corpus", rep))

@@ -354,7 +354,7 @@ def run_case(fault: str, args: argparse.Namespace, work: Path) -> Row:
         # (here the nodes share the host's /dev/shm; its next agent there would remove it): not
         # counted, removed below. Every other node's must be gone.
         gone = {agents[k - 1].pid for k in killed} if victim and fault in KILLS else set()
-        if fault == "agent-kill":  # the node lives on: what its next agent does first (issue 18.12)
+        if fault == "agent-kill":  # the node lives on: what its next agent does first
             rescued = rescue_like_the_next_agent(agents[victim - 1].pid, ckpt, shm_roots[victim])
             rescue = f"next agent on n{victim} rescued {rescued} snapshot dir(s) the killed one held"
             row.note = f"{rescue}; {row.note}" if row.note else rescue
@@ -403,7 +403,7 @@ def _agent_cmd(node: testbed.Node, fault: str, backend: str, endpoint: str, run:
         *node.exec_prefix(), sys.executable, "-m", "trainguard", "run", "--nproc-per-node", "1",
         "--nnodes", "1:3" if fault == BUDDY_FIRST else "2:3", *(["--ckpt-replicas", "2"] if fault == BUDDY_FIRST else []),
         # sharded rows: a state of ~0.4 MB per rank persisted at 0.5 MB/s, so the disk lags
-        # many steps behind memory as it does under load (issue 31): only a replica is recent
+        # many steps behind memory as it does under load: only a replica is recent
         *(["--ckpt-write-limit", "0.5"] if fault in HELD_BACK else []),
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", fault,
         "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "2", "--run-dir", str(run),

@@ -1,4 +1,4 @@
-"""Every GPU path of trainguard on a real NVIDIA GPU, one command (issue 34).
+"""Every GPU path of trainguard on a real NVIDIA GPU, one command.
 
     python bench/gpu.py [--only NAME,...] [--json FILE] [--work DIR]
 

@@ -1,5 +1,5 @@
 """Hang verdicts on real gloo jobs (CPU): false positives over the healthy matrix beside the
-detection latency of the fault matrix, in the same run (issue 11).
+detection latency of the fault matrix, in the same run.
 
 Healthy: tests/scripts/healthy_phases.py, one job with every long legitimate phase (a first step
 30 s slower, rank-0-only evaluation 40 s while the others wait in a barrier, all ranks evaluating
@@ -13,7 +13,7 @@ monitor driven as the agent drives it, step samples fed as the profiling monitor
 production settings (period 1 s, slack 5 s). The endless loop is only a suspicion within seconds
 and a detected hang at --hang-detect-time (here --loop-detect-time).
 
-Wait patterns (issue 26): tests/scripts/wait_patterns.py, long waits from real usage — healthy
+Wait patterns: tests/scripts/wait_patterns.py, long waits from real usage — healthy
 ones on the outside world (downloads at 40 KB/s from a local slow server, uploads, idle
 children, sleeps, files, locks, recompiles, FSDP2 accumulation, persistent DataLoader workers, a
 slow sync) and the same waits made dead (frozen server, stopped child, a recv never sent, a pipe

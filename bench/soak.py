@@ -1,4 +1,4 @@
-"""Effective training time under chaos (issue 33): one job for N minutes on three network-namespace
+"""Effective training time under chaos: one job for N minutes on three network-namespace
 nodes (the fault matrix's test bed, chaos/testbed.py) under a seeded random fault schedule, run
 twice with the same training script, model, schedule and seed:
 

@@ -136,7 +136,7 @@ def maybe_fail(args: argparse.Namespace, rank: int, step: int) -> None:
         os._exit(3)
     elif args.fail_mode == "exit0":
         sys.exit(0)
-    elif args.fail_mode == "abort-at-exit":  # what torch's gloo teardown does under load (issue 4)
+    elif args.fail_mode == "abort-at-exit":  # what torch's gloo teardown does under load
         def abort() -> None:
             print("terminate called without an active exception", file=sys.stderr, flush=True)
             os.abort()

@@ -1,4 +1,4 @@
-"""Zero-code instrumentation of processes trainguard does not start itself (issue 17).
+"""Zero-code instrumentation of processes trainguard does not start itself.
 
 A real console-script entry point, made by pip from a local package at test time, run with
 `trainguard run --no-python`: its steps reach the agent (profiling records, step-based hang

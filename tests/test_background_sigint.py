@@ -1,4 +1,4 @@
-"""SIGINT to an agent a script started in the background (issue 28, item 8). A non-interactive
+"""SIGINT to an agent a script started in the background. A non-interactive
 shell starts background commands with SIGINT ignored, and the workers inherit that: the agent's
 SIGINT reached them as nothing, and they trained on until the stop's timeout SIGKILLed them. The
 agent now stops workers that ignore the signal it got with SIGTERM."""

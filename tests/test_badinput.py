@@ -1,4 +1,4 @@
-"""Bad input against every command (issue 18): an answer or one line on stderr with exit 2, never a
+"""Bad input against every command: an answer or one line on stderr with exit 2, never a
 traceback, never a hang. The table is bench/badinput.py's (that script prints the outcome counts)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _suite_cases() -> list:
 SUITE_CASES = _suite_cases()
 
 
-@pytest.mark.slow  # ~260 processes (issue 28: every command, every kind of damaged run-dir file)
+@pytest.mark.slow  # ~260 processes (every command, every kind of damaged run-dir file)
 @pytest.mark.parametrize("case", SUITE_CASES, ids=[c.name for c in SUITE_CASES])
 def test_bad_input_gives_an_answer_or_one_line(case):
     r = badinput.run_case(case, time_limit_s=120)

@@ -214,7 +214,7 @@ def test_checkpoint_sigkill_after_snapshot_and_death_inside_save(tmp_path, shm_r
 def test_checkpoint_agent_killed_while_persisting_keeps_previous_checkpoint_and_next_agent_rescues_newer(
         tmp_path, shm_root, next_job):
     """The agent is SIGKILLed in the middle of a persist: the previous checkpoint stays intact. The
-    newer snapshots it held in shared memory are not lost (issue 18.12): the next agent starting on
+    newer snapshots it held in shared memory are not lost: the next agent starting on
     the node persists them before it removes the dead agent's directory. When that agent belongs
     to another job (another run dir, the same checkpoint dir), the rescue is not reported as its
     own, and not written into the dead job's run either (a path read from the directory)."""

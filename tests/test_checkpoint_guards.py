@@ -1,6 +1,6 @@
 """Checkpoint pruning never leaves the checkpoint dir, and never deletes the newest checkpoint
 whatever ``TRAINGUARD_CKPT_KEEP`` says; bad settings are one warning, never an exception out of
-``save()`` (issue 28, items 4 and 5)."""
+``save()``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 18's checkpoint items, each reproduced with real files (and real jobs where the issue's
-repro is one): pruning with unverifiable newer steps (18.1), edits to the manifest (18.4), crafted
-files that once escaped as MemoryError / RecursionError (18.10)."""
+"""Checkpoint faults, each reproduced with real files (and real jobs where the fault needs
+one): pruning with unverifiable newer steps, edits to the manifest, crafted files that once
+escaped as MemoryError / RecursionError."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ SEAL = b"\ntrainguard-manifest-crc32="
 
 @pytest.mark.slow
 def test_checkpoint_prune_keeps_new_verified_steps_when_newer_ones_do_not_verify(jobs, tmp_path, shm_root):
-    """18.1: a run dir whose newer checkpoints were truncated. The issue's repro with --ckpt-keep 1
+    """A run dir whose newer checkpoints were truncated. The reported repro with --ckpt-keep 1
     (one broken newer step is then enough): the rerun used to persist steps 5, 10, 15 and delete
     each at once, pruning kept the highest step number, the broken one, so the next run started at
     step 0."""
@@ -116,7 +116,7 @@ def dtype(m):
 
 @pytest.mark.parametrize("change", [lr, step, shape, dtype])
 def test_checkpoint_edited_manifest_is_refused_and_the_previous_step_loaded(tmp_path, shm_root, change):
-    """18.4: the whole manifest is under the checksum, not only the tensor bytes."""
+    """The whole manifest is under the checksum, not only the tensor bytes."""
     ckpt = two_steps(tmp_path, shm_root)
     got, _ = load(ckpt, shm_root)
     assert got["step"] == 2 and got["optim"]["lr"] == pytest.approx(0.2)
@@ -201,7 +201,7 @@ def float_sizes(sdir: Path) -> None:
 
 @pytest.mark.parametrize("craft", [deep_tree, deep_json, huge_manifest, huge_data, huge_shape, overflowing_strides, bad_nodes, float_sizes])
 def test_checkpoint_crafted_newest_file_falls_back_without_a_traceback(tmp_path, shm_root, craft):
-    """18.10: a crafted (correctly checksummed) or corrupt newest checkpoint is skipped with a
+    """A crafted (correctly checksummed) or corrupt newest checkpoint is skipped with a
     reason; no MemoryError, RecursionError or other exception escapes load_latest."""
     ckpt = two_steps(tmp_path, shm_root)
     sdir = disk.step_dir(ckpt, 3)

@@ -1,4 +1,4 @@
-"""Checkpoints across a world-size change (issue 17): a DDP job that loses one of three nodes
+"""Checkpoints across a world-size change: a DDP job that loses one of three nodes
 resumes on two from the newest snapshot; a DTensor state saved by 4 ranks is resharded onto 2 by
 torch.distributed.checkpoint, exported as a DCP directory, and refused with a clear error where it
 cannot be resharded."""

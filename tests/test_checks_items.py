@@ -475,7 +475,7 @@ def test_nvml_probe_reads_health_and_utilisation_through_the_pynvml_api(monkeypa
 
 
 def test_check_refuses_unknown_items_bad_ports_and_binary_host_files(tmp_path, capsys):
-    """Issue 28 item 15: an unknown --skip and `localhost:notaport` were accepted; a binary host
+    """An unknown --skip and `localhost:notaport` were accepted; a binary host
     file was read as host names."""
     from trainguard.checks.items import CheckConfig, check_dns
     from trainguard.cli import main as cli_main

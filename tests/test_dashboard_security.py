@@ -1,4 +1,4 @@
-"""Issue 28 item 9: the dashboard refuses an open API off loopback, serves only this run's regular
+"""The dashboard refuses an open API off loopback, serves only this run's regular
 hang reports, survives a dangling one, checks the Host header (DNS rebinding) and queues a burst
 of 200 connections. On loopback too the API needs the token printed at start (a cookie, a Bearer
 header or ``?token=``) unless ``--no-token``; a run dir its user cannot read is refused. A real

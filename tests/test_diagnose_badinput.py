@@ -1,4 +1,4 @@
-"""Bad input to `trainguard diagnose` (issue 18 item 9): every case gives an answer or one clear line
+"""Bad input to `trainguard diagnose`: every case gives an answer or one clear line
 (exit 2), never a traceback and never a hang. Each runs the real CLI in a subprocess with a
 deadline, so a hang fails the test instead of blocking the suite."""
 
@@ -202,7 +202,7 @@ def test_reused_read_buffer_gives_every_line_once_with_its_number_and_offset(
 
 
 def test_nothing_read_is_not_called_healthy(tmp_path: Path):
-    """Issue 28 item 15: an empty directory or an empty log was diagnosed "healthy"."""
+    """An empty directory or an empty log was diagnosed "healthy"."""
     (tmp_path / "logs").mkdir()
     (tmp_path / "empty.log").write_bytes(b"")
     for path in (tmp_path / "logs", tmp_path / "empty.log"):

@@ -140,7 +140,7 @@ def test_monitor_calls_a_sigkill_host_oom_only_when_the_oom_counter_moved(tmp_pa
 
 
 def test_live_a_killed_dataloader_worker_is_diagnosed_then_restarted_by_the_policy(tmp_path: Path):
-    """Issue 27: a signal killed the DataLoader worker (often the OOM killer): retry, not stop."""
+    """A signal killed the DataLoader worker (often the OOM killer): retry, not stop."""
     from trainguard import policy
 
     attempt = tmp_path / "logs" / "attempt-0"

@@ -73,7 +73,7 @@ def test_trainer_log_that_stops_short_is_a_hang_live_only_and_a_finished_one_is_
     short = tmp_path / "short" / "trainer_log.jsonl"
     short.parent.mkdir()
     short.write_text("\n".join(_jsonl([1.5 - i / 100 for i in range(40)], total=3000)) + "\n")
-    # offline a log that ends on normal progress is no failure (issue 27); a hang is only offered
+    # offline a log that ends on normal progress is no failure; a hang is only offered
     res = diagnose_paths([str(short)])
     assert res["category"] == "healthy", res["summary"]
     assert any(h["category"] == "hang_no_error" for h in res["hypotheses"])

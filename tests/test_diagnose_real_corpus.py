@@ -2,7 +2,7 @@
 
 Each case is a log written in the format of a public report (SOURCE names it and its framework
 family). The floors sit just under what bench/diagnose_accuracy.py measured when they were set
-(issue 27, sixth pass: 558 cases, the burned frozen splits 1 to 5 included; category 99.6 %,
+(sixth rules pass: 558 cases, the burned frozen splits 1 to 5 included; category 99.6 %,
 first rank 98.8 %, first host 95.2 %; leave-one-framework-out category 95.3 %; no healthy log called
 a failure, 2 of 90 hangs called healthy). The frozen split (tests/corpus/frozen6/) is scored by the
 bench on its own line and deliberately has no floor here: it is scored once, not tuned."""

@@ -1,4 +1,4 @@
-"""The documentation: the site builds strictly and the README stays a short guide (issue 30).
+"""The documentation: the site builds strictly and the README stays a short guide.
 
 `mkdocs build --strict` fails on a link to a page or file that is not there, a page left out of
 the nav, or an absolute link; a link to a missing anchor (reported by mkdocs 1.6+ as an INFO line)

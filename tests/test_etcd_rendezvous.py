@@ -1,4 +1,4 @@
-"""torch's etcd rendezvous (``--rdzv-backend etcd-v2``) against a real etcd server (issue 14).
+"""torch's etcd rendezvous (``--rdzv-backend etcd-v2``) against a real etcd server.
 
 The state of an etcd rendezvous lives in etcd, not on a training node: killing the node that was
 group rank 0 (the one that would host c10d's store) leaves a job that goes on with the others

@@ -1,4 +1,4 @@
-"""Issue 28 item 7: the readers of a run (events, status, trace, dashboard, chaos, stacks) open its
+"""The readers of a run (events, status, trace, dashboard, chaos, stacks) open its
 event databases read-only and never need write access: after the writer is SIGKILLed in the
 middle of a transaction (a hot journal SQLite must roll back), and while a writer holds the
 database locked for longer than SQLite's busy timeout. Real processes, real SQLite, real signals."""

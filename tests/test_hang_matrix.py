@@ -1,4 +1,4 @@
-"""Issue 11: hang verdicts that hold on real workloads (gloo, CPU, real processes).
+"""Hang verdicts that hold on real workloads (gloo, CPU, real processes).
 
 The healthy matrix — long legitimate phases in one job (tests/scripts/healthy_phases.py): a first
 step 30 s slower, rank-0-only evaluation of 40 s while the others wait in a barrier (through
@@ -84,7 +84,7 @@ def test_hang_fault_detected_with_culprit(tmp_path: Path, fault: str, kind: str,
 
 
 def test_hang_stopped_rank_detected_before_the_step_threshold(tmp_path: Path) -> None:
-    """Issue 33: a SIGSTOP'd rank while its peer waits in the all-reduce is proof once it stayed
+    """A SIGSTOP'd rank while its peer waits in the all-reduce is proof once it stayed
     stopped for the progress window; the step threshold (here over a minute: a slack of 90 s
     stands in for slow steps under load) is not waited for."""
     cfg = HangConfig(period=0.5, detect_time=300.0, step_slack=90.0)
@@ -99,7 +99,7 @@ def test_hang_stopped_rank_detected_before_the_step_threshold(tmp_path: Path) ->
 
 
 def test_hang_hf_trainer_rank_frozen_after_save(jobs, tmp_path: Path) -> None:
-    """Issue 11's missed hang: a Trainer rank stopped just after its save is not 'saving a
+    """A once-missed hang: a Trainer rank stopped just after its save is not 'saving a
     checkpoint': detected from the stopped state, named, restarted; the job resumes and ends."""
     run = tmp_path / "run"
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", run,

@@ -175,7 +175,7 @@ def judged(views: dict[int, RankView], stacks: dict[int, list], opts: dict[int, 
 
 
 def test_stall_rank0_evaluation_while_others_wait_is_watched_then_suspected_never_detected() -> None:
-    """Issue 11's false kill: rank 0 evaluates (through model.module) for 40 s, the others wait."""
+    """A once-false kill: rank 0 evaluates (through model.module) for 40 s, the others wait."""
     ev = [forward(10 + i % 3) for i in range(6)]
     views = {
         0: RankView(0, "R", ev[-1], busy=True),
@@ -246,7 +246,7 @@ def test_stall_gone_rank_is_a_culprit_only_while_a_peer_waits_for_it() -> None:
 
 
 def test_stopped_rank_is_proof_before_the_step_threshold() -> None:
-    """Issue 33: a rank stopped for a whole window while its peers wait is detected without waiting
+    """A rank stopped for a whole window while its peers wait is detected without waiting
     for the step threshold (which grows with slow steps under load); a short stop, or a peer still
     working outside a collective, is left to the usual rules."""
     views = {0: RankView(0, "S", all_reduce()), 1: RankView(1, "T", user("train", 66))}

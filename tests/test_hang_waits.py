@@ -1,4 +1,4 @@
-"""Issue 26: a hang verdict only on proof of a dead wait; a wait on the outside world is a named
+"""A hang verdict only on proof of a dead wait; a wait on the outside world is a named
 suspicion. The classifier (detect.waits) and the stall verdict over synthetic kernel facts, the
 kernel probes (probes.waits) on real processes, and real gloo jobs through the hang monitor."""
 

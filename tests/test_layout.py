@@ -1,4 +1,4 @@
-"""The package's layout keeps its rules (issue 30): no import cycle between modules or between
+"""The package's layout keeps its rules: no import cycle between modules or between
 rooms (top-level packages), no room above 20 % of the source lines, no function over 80 lines.
 Pure reading of the source with ``ast``: nothing is imported."""
 

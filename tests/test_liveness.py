@@ -72,7 +72,7 @@ def test_a_node_that_finished_is_not_lost(tmp_path):
 
 
 def test_a_node_slow_to_start_its_workers_is_not_lost(tmp_path):
-    """Issue 33: a rejoining node whose first start was slow under load was declared lost after the
+    """A rejoining node whose first start was slow under load was declared lost after the
     4 s heartbeat deadline. A node that has not started its workers in this round gets the start-up
     allowance; once it has started, its silence counts from the heartbeat deadline again."""
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -1,4 +1,4 @@
-"""NaN triage (issue 32): a NaN failure is replayed once from the newest finite snapshot with
+"""NaN triage: a NaN failure is replayed once from the newest finite snapshot with
 every rank's gradients checked before their reduction; a NaN that does not come back is a
 transient fault (``nan_transient``, training goes on), one that does is the code or the data
 (stop), or the hardware when the same rank and node reproduce it on a node whose check found a

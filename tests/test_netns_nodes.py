@@ -1,6 +1,6 @@
 """Nodes in network namespaces, each with its own address and no host-name resolution for it
 (chaos/testbed.py): the stores are reached through the right addresses, and a node that cannot
-reach the workers' store fails at once, naming the address (issues 14, 18.11). Needs root."""
+reach the workers' store fails at once, naming the address. Needs root."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Node names are data that ends up in Slurm lists, shell lines and files (issue 28, item 14):
+"""Node names are data that ends up in Slurm lists, shell lines and files:
 refused at the parser unless letters, digits, '.', '_', '-' (tests/test_run_usage.py); the
 exclude-nodes file is one name a line; a name that is not one is never drained or listed; two
 agents under one name in one job stop it with a clear message."""

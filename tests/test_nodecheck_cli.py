@@ -79,7 +79,7 @@ def test_usage_errors_exit_2(jobs):
 
 
 def test_unreachable_store_answers_within_about_the_timeout_in_one_line():
-    """Issue 28 item 12: --timeout 5 against a store nobody listens on took 114 s and printed torch's
+    """--timeout 5 against a store nobody listens on took 114 s and printed torch's
     C++ retry frames; it answers within about the timeout, one line, and exit 1 (faulty)."""
     import subprocess
 
@@ -96,7 +96,7 @@ def test_unreachable_store_answers_within_about_the_timeout_in_one_line():
 
 
 def test_timeouts_are_finite_and_bounded():
-    """Issue 28 item 11: a timeout of 1e308 never answered (clocks and timedeltas overflow)."""
+    """A timeout of 1e308 never answered (clocks and timedeltas overflow)."""
     import argparse
 
     from trainguard.options import MAX_SECONDS, number, seconds

@@ -1,5 +1,5 @@
 """`chaos ... --rank R` and `stacks` never act on a pid that is not the rank's worker on this
-machine (issue 28, item 2): the rank ran on another node and its recorded pid is, here, an
+machine: the rank ran on another node and its recorded pid is, here, an
 unrelated process started before the event — which the old "started before job_started" check
 took for the worker and SIGKILLed."""
 

@@ -138,7 +138,7 @@ def test_profile_cli(tmp_path, capsys):
 
 
 def test_profile_switch_only_in_a_run_dir_and_never_through_a_link(tmp_path, capsys):
-    """Issue 28 item 15: `profile /any/dir on` wrote a switch file anywhere; a symlink or FIFO at the
+    """`profile /any/dir on` wrote a switch file anywhere; a symlink or FIFO at the
     switch's name is refused (not written through, not blocked on)."""
     import os
 

@@ -1,4 +1,4 @@
-"""Restart loops and the site's node history (issue 32): the pure detector and policy, and real
+"""Restart loops and the site's node history: the pure detector and policy, and real
 2-rank gloo jobs under `trainguard run` (a rank that SIGKILLs itself at the same step in every
 attempt; a host the node history refuses at the pre-check)."""
 

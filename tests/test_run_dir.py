@@ -1,5 +1,5 @@
-"""A run dir used again, by two jobs at once, by several nodes at once, or filled up (issue 18 items 2, 3, 7
- and per-node event databases), with real jobs."""
+"""A run dir used again, by two jobs at once, by several nodes at once, or filled up (its files
+and per-node event databases), with real jobs."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _run(run_dir, *extra):
 
 
 def test_a_resumed_run_is_diagnosed_on_its_own_lines(tmp_path, jobs):
-    """18.2: the second run into the same dir fails differently; its diagnosis must not read the
+    """The second run into the same dir fails differently; its diagnosis must not read the
     first run's ZeroDivisionError (that made the policy stop a job it should restart)."""
     run_dir = tmp_path / "R"
     first = jobs(*_run(run_dir, "--steps", "8", "--fail-rank", "1", "--fail-step", "3", "--fail-mode", "zerodiv"))
@@ -57,7 +57,7 @@ def test_a_resumed_run_is_diagnosed_on_its_own_lines(tmp_path, jobs):
 
 
 def test_a_second_job_on_a_run_dir_is_refused_until_the_first_is_gone(tmp_path, jobs):
-    """18.3: one job per node on a run dir; the kernel frees the lock even after SIGKILL."""
+    """One job per node on a run dir; the kernel frees the lock even after SIGKILL."""
     run_dir = tmp_path / "R"
     first = jobs(*_run(run_dir, "--steps", "100000", "--step-time-ms", "50"), name="first")
     wait_event(run_dir, "job_started")
@@ -134,7 +134,7 @@ def _kept_full(directory):
 
 
 def test_a_full_run_dir_keeps_the_job_record(small_fs, jobs):
-    """18.7: the run dir fills up mid-job. Training finishes; its end and every checkpoint failure
+    """The run dir fills up mid-job. Training finishes; its end and every checkpoint failure
     are still events (the store's reserve), each write failure is said once, not per line."""
     run_dir = small_fs / "R"
     job = jobs("run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", run_dir,

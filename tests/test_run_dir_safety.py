@@ -1,4 +1,4 @@
-"""Issue 28 (items 3, 6, 10): nothing in a run dir is written through a symlink or into a special
+"""Nothing in a run dir is written through a symlink or into a special
 file, and damaged run-dir files never crash or hang a reader. Real files, FIFOs, devices, SQLite."""
 
 from __future__ import annotations

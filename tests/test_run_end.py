@@ -1,4 +1,4 @@
-"""How a job's workers end, judged right (issue 18 items 6 and 13), with real 2-worker jobs."""
+"""How a job's workers end, judged right, with real 2-worker jobs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _run(run_dir, max_restarts, *extra):
 
 
 def test_a_rank_that_exits_0_early_is_named_not_a_lost_peer(tmp_path, jobs):
-    """18.6: rank 1 leaves with exit code 0 at step 3; rank 0 then fails in its all-reduce. The
+    """Rank 1 leaves with exit code 0 at step 3; rank 0 then fails in its all-reduce. The
     cause is rank 1's early exit on this node, not "a peer on another node" nor the network."""
     run_dir = tmp_path / "R"
     job = jobs(*_run(run_dir, 0, "--steps", "50", "--step-time-ms", "20",
@@ -35,7 +35,7 @@ def test_a_rank_that_exits_0_early_is_named_not_a_lost_peer(tmp_path, jobs):
 
 
 def test_a_crash_after_every_rank_finished_is_a_success_with_a_warning(tmp_path, jobs):
-    """18.13: rank 1 trains to the end, then aborts in the interpreter's teardown (as torch's gloo
+    """Rank 1 trains to the end, then aborts in the interpreter's teardown (as torch's gloo
     teardown does under load). The work is done: rc 0, no restart, one warning naming rank 1."""
     run_dir = tmp_path / "R"
     job = jobs(*_run(run_dir, 2, "--steps", "6",

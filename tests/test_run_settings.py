@@ -1,4 +1,4 @@
-"""`trainguard run`'s options are ONE typed, validated settings object (issue 30): built once at the
+"""`trainguard run`'s options are ONE typed, validated settings object: built once at the
 parser (agent/settings.py ``RunSettings.from_args``), each room below getting only its typed part;
 a bad value in any part is one line and exit 2 with nothing started; and no room but the parser
 and the settings builder takes argparse's Namespace."""

@@ -1,6 +1,6 @@
 """`trainguard run` refuses what cannot be right with one line on stderr and exit code 2, before
-anything starts (no run dir, no worker): bad flag values (issue 18.10), and a monitor that cannot
-start (issue 18.5) — unless the user switched that monitor off."""
+anything starts (no run dir, no worker): bad flag values, and a monitor that cannot
+start — unless the user switched that monitor off."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def assert_refused(res: subprocess.CompletedProcess, tmp_path, needle: str) -> N
         (["--monitor-interval", "0"], "--monitor-interval must be a number of seconds > 0"),
         (["--notify-severity", "bogus"], "unknown severity 'bogus'"),
         (["--node-name", "a/b"], "--node-name: 'a/b' is not a node name"),
-        # issue 28.14: a comma would drain and exclude other Slurm nodes; spaces and shell characters
+        # a comma would drain and exclude other Slurm nodes; spaces and shell characters
         # end up in the printed sbatch line and the exclude-nodes file
         (["--node-name", "n1,n2"], "--node-name: 'n1,n2' is not a node name"),
         (["--node-name", "n1 n2"], "--node-name: 'n1 n2' is not a node name"),

@@ -1,4 +1,4 @@
-"""Everything agents act on in the rendezvous store is signed (issue 28, item 1): a value written
+"""Everything agents act on in the rendezvous store is signed: a value written
 to the job's store by anyone but an agent of this job — a local process on the store's port, a
 stray client — is ignored with a ``store_write_rejected`` warning, never obeyed. Real TCPStores on
 127.0.0.1, the agents' own view of them (``Peers.signed``, what the agent hands its monitors)."""

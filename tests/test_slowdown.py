@@ -88,7 +88,7 @@ def test_step_times_from_clocks():
 
 
 def test_coarse_clock_steps_are_timed_over_ten_ticks():
-    """Issue 18 item 8: one-second timestamps and several steps per second gave 0 ms steps."""
+    """One-second timestamps and several steps per second gave 0 ms steps."""
     t = StepTimer()
     got = [t.feed(parse_step(f"step={i}", line_time=1000.0 + i // 4)) for i in range(1, 90)]
     samples = [s for s in got if s is not None]
@@ -115,7 +115,7 @@ def test_zero_time_samples_are_never_a_baseline():
 
 
 def test_zero_ms_steps_do_not_drag_the_baseline_down():
-    """Issue 28 item 13: 40 iterations logged at 0 ms before a window of real steps made that
+    """40 iterations logged at 0 ms before a window of real steps made that
     window's mean (and the baseline) 1/9 of the real step time; a 2x slowdown then read ratio 17."""
     samples = [(i, 0.0) for i in range(1, 41)]
     samples += [(i, 100.0) for i in range(41, 61)]  # 100 ms steps

@@ -1,4 +1,4 @@
-"""--standby (agent/standby.py, issue 31) against torch's real c10d rendezvous, without processes:
+"""--standby (agent/standby.py) against torch's real c10d rendezvous, without processes:
 a standby joins only once the job's round has formed (so it never takes an active node's place),
 says so, and ends quietly when the job ended first. The whole path (a node killed, the standby
 promoted, the world size kept) is the fault matrix's kill-node-standby row (bench/faults.py)."""

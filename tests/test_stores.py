@@ -1,5 +1,5 @@
 """Where trainguard's stores listen (loopback with --standalone), and the job key on the values
-agents act on (issue 18.11)."""
+agents act on."""
 
 from __future__ import annotations
 

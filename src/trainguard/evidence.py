@@ -225,7 +225,7 @@ class NodeLost:
 
 @dataclass(frozen=True)
 class NanEvidence:
-    """Where a non-finite loss or gradient was first seen in one attempt (the NaN triage, issue 32).
+    """Where a non-finite loss or gradient was first seen in one attempt (the NaN triage).
 
     ``source`` "gradient_check": the replay's per-rank check of the gradients before their
     reduction named the rank (the lowest step, then the earliest time); "diagnosis": the log

@@ -13,7 +13,7 @@ pure. Entry points:
 - ``decide_while_running(evidence, ...)``    ``decide_on_hang``, ``decide_on_straggler``,
                                               ``decide_on_hardware_fault``
 - ``decide_on_peer_news(news)``              another node stopped the job or left it
-- ``decide_nan_replay``, ``decide_after_nan_replay`` (``triage_nan``): the NaN triage (issue 32), a
+- ``decide_nan_replay``, ``decide_after_nan_replay`` (``triage_nan``): the NaN triage, a
   NaN failure replayed once from a finite snapshot before it is called the user's code
 
 The seed's four scenarios (ModelArts fault tolerance):

@@ -1,4 +1,4 @@
-"""The one safe way to open a file in a run directory (issue 28).
+"""The one safe way to open a file in a run directory.
 
 A run directory is shared: other users' processes, a careless script or a hostile one can put a
 symlink, a FIFO or a device where trainguard expects one of its files. Every file trainguard reads

@@ -1,5 +1,5 @@
 """A healthy DDP job (gloo, CPU) with long legitimate phases in sequence — the hang monitor's
-false-positive matrix (issue 11). None of them is a hang; a guard that restarts here kills a
+false-positive matrix. None of them is a hang; a guard that restarts here kills a
 healthy job.
 
 Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (trainguard run, torchrun, or

@@ -2,7 +2,7 @@
 trainguard's callback: snapshots every 5 steps, evaluation and saves every 10. Rank 1 SIGKILLs
 itself at --kill-step on the first attempt; the restarted attempt resumes from the snapshot.
 With --stop-after-save N, rank 1 freezes (SIGSTOP) right after the Trainer's save at step N of
-the first attempt (issue 11: a stopped rank is never "saving a checkpoint")."""
+the first attempt (a stopped rank is never "saving a checkpoint")."""
 
 import argparse
 import os

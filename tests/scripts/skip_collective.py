@@ -1,4 +1,4 @@
-"""Rank 1 skips one all_reduce (issue 26): a gloo job whose every step all-reduces a metric; on the
+"""Rank 1 skips one all_reduce: a gloo job whose every step all-reduces a metric; on the
 first attempt rank 1 leaves out the one of step --skip-step. The group pairs collectives by
 position, so the ranks go on silently shifted by one until rank 1 reaches the final barrier while
 rank 0 waits in its last all_reduce: two ranks in two different collectives, rank 1 out of

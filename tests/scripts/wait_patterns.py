@@ -1,4 +1,4 @@
-"""Long waits from real usage, healthy and dead (issue 26): a tiny DDP job (gloo, CPU) that runs
+"""Long waits from real usage, healthy and dead: a tiny DDP job (gloo, CPU) that runs
 --steps-before steps, one wait pattern, --steps-after steps, and ends.
 
 Healthy patterns wait on the outside world and come back (downloads at 40 KB/s from a local slow

@@ -699,7 +699,7 @@ class TrainguardAgent(LocalElasticAgent):
         self.carry_out(decision)
         return result
 
-    # ---- NaN triage (issue 32) ----------------------------------------------------------------
+    # ---- NaN triage ---------------------------------------------------------------------------
     def _local_ranks(self) -> set[int]:
         return {w.global_rank for w in self.ctx.workers} if self.ctx is not None else set()
 

@@ -1,4 +1,4 @@
-"""The agent's side of the NaN triage (issue 32): arm a replay, give its workers the gradient
+"""The agent's side of the NaN triage: arm a replay, give its workers the gradient
 check, gather what the replay shows, and say ``nan_transient`` when it went past the NaN.
 
 The policy decides (``policy.decide_nan_replay``, ``policy.decide_after_nan_replay``); this class

@@ -1,4 +1,4 @@
-"""The site's node history: which hosts failed, how and when, across runs (issue 32).
+"""The site's node history: which hosts failed, how and when, across runs.
 
 Each run otherwise starts with no memory of the hosts that failed before, and the scheduler hands
 the job the same bad node again. Agents record here the hardware-class faults of their host, its

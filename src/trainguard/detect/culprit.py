@@ -278,7 +278,7 @@ P2P_SEND = ("send", "isend", "batch_isend_irecv")
 
 def _p2p_mismatch(waiting: Sequence[int], pos: Mapping[int, Position]) -> tuple[list[int], str] | None:
     """Ranks blocked in a point-to-point receive while no rank sends and the others wait in
-    another call: the receive can never be matched, its rank is the culprit (issue 26)."""
+    another call: the receive can never be matched, its rank is the culprit."""
     recv = [r for r in waiting if pos[r].kind == "collective" and pos[r].op in P2P_RECV]
     if not recv or len(recv) == len(waiting) or any(pos[r].op in P2P_SEND for r in waiting):
         return None

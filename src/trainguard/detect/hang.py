@@ -46,7 +46,7 @@ class HangConfig:
     phase_floor: float = 60.0  # a recognised phase (checkpoint, evaluation, forward passes, DataLoader)
     phase_factor: float = 3.0
     first_step_floor: float = 60.0  # the first step of a restarted attempt
-    # Uninterruptible sleep (D) with no I/O is proof of a hang only after this long (issue 26: a
+    # Uninterruptible sleep (D) with no I/O is proof of a hang only after this long (a
     # slow os.sync() or NFS server holds a healthy rank in D for a while).
     stalled_limit: float = 120.0
 

@@ -3,7 +3,7 @@
 Every agent adds to its own counter in the round's store once its workers have started
 (monitors/liveness.py), so a counter still at 0 is a node that has not started its first workers
 in this round: a node joining the job (a fresh agent, a node coming back) or one whose start is
-slow under load. Its silence says nothing about its health yet: the bench's soak (issue 33) saw a
+slow under load. Its silence says nothing about its health yet: the bench's soak saw a
 rejoining node declared lost after 4 s of "no heartbeat" while it was still starting its worker,
 and the job re-formed once more for nothing. Such a node gets ``startup_s``, not the heartbeat
 deadline; only positive proof (its address unreachable, from a probe) excludes it sooner.

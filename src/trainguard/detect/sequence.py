@@ -1,5 +1,5 @@
 """Two ranks in two different collectives: both calls, with their sequence numbers, and which rank
-is out of sequence where the counters allow it (issue 26). Pure: takes each rank's collective
+is out of sequence where the counters allow it. Pure: takes each rank's collective
 counters (worker/hooks.py counts every collective a rank starts, always on; probes/ring_reader
 reads them) and where its stack shows it waiting.
 

@@ -13,9 +13,9 @@ A sample may stand for several iterations (a log that only shows step numbers on
 is timed over several steps at once, ``diagnose.steplog.StepTimer``): it counts as that many
 iterations at its mean time. A sample that took no measurable time (0 ms) is no step time: it
 is left out of every window. Merged into the next window it would drag that window's mean, and
-so the baseline, down by the share of 0 ms iterations (issue 28: 40 of them made a 2x slowdown
+so the baseline, down by the share of 0 ms iterations (40 of them made a 2x slowdown
 read as ratio 17); as a window of its own it would make a 0 baseline that silences every later
-warning (issue 18).
+warning.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a blocked rank waits on, and whether that wait can ever end (issue 26). Pure: takes the
+"""What a blocked rank waits on, and whether that wait can ever end. Pure: takes the
 kernel's facts (probes.waits.WaitFacts, or anything shaped like it) and the rank's innermost
 frames as data.
 

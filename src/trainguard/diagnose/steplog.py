@@ -13,7 +13,7 @@ Understood formats (one per line):
   timed by ``t=<unix time>`` in the line (trainguard's example prints ``step=<n> rank=<r> t=<t>``)
   or else by the line's own timestamp. Step time = time difference / step difference, taken over
   at least ``MIN_SPAN_TICKS`` ticks of the clock: a log with one-second timestamps and several
-  steps per second is timed over ten seconds or more at once, never as 0 ms steps (issue 18).
+  steps per second is timed over ten seconds or more at once, never as 0 ms steps.
 Numbers that are not numbers (``(ms): .``) make the line a non-step line, never an error.
 """
 

@@ -51,7 +51,7 @@ class LivenessSettings:
     interval_s: float = 0.5
     lost_after_s: float = 4.0
     # A node that has not started its workers in this round yet: a fresh agent's first start took
-    # 6 s under load in the soak (issue 33), against the 4 s heartbeat deadline.
+    # 6 s under load in the soak, against the 4 s heartbeat deadline.
     startup_s: float = 30.0
 
     @classmethod

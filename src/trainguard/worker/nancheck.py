@@ -1,4 +1,4 @@
-"""The NaN triage's gradient check: which rank first produced a non-finite gradient (issue 32).
+"""The NaN triage's gradient check: which rank first produced a non-finite gradient.
 
 Only during a NaN replay: the agent sets ``TRAINGUARD_NAN_CHECK`` (a directory of the run dir) in
 the workers' environment for that attempt, and the bootstrap installs this check when torch is

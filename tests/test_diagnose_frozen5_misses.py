@@ -1,4 +1,4 @@
-"""Issue 27, sixth pass (the misses of the burned frozen5 split, as general mechanisms): ranks stated
+"""The sixth rules pass (the misses of the burned frozen5 split, as general mechanisms): ranks stated
 in a log's own words (ParlAI's ``rank:  3 |``, fairseq's ``distributed init (rank 4)`` /
 ``initialized host H as rank 4``, spawn's ``-- Process 3 terminated`` after an earlier OOM line);
 torchrun's ``[default0]:[rank12]:`` is global rank 12, not local 0 (so an earlier error on another
@@ -9,7 +9,7 @@ session closed is an external stop; ``srun -l``'s ``3: `` is task 3; ``slurmstep
 
 from __future__ import annotations
 
-from test_diagnose_issue27_pass4 import diag  # writes the files under tmp_path and diagnoses them
+from test_diagnose_stall_evidence import diag  # writes the files under tmp_path and diagnoses them
 
 from trainguard.diagnose.lines import parse_line
 

@@ -1,4 +1,4 @@
-"""Issue 27, second pass: general shapes that hold across frameworks (a later look at a silent
+"""Second rules pass: general shapes that hold across frameworks (a later look at a silent
 log, a watcher that sees nothing change), each with the healthy twin that must stay healthy."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 27: verdicts that claim only what the evidence shows (offline vs live, ranked hypotheses,
+"""Verdicts that claim only what the evidence shows (offline vs live, ranked hypotheses,
 calibrated confidence) and the weak spots found on logs the rules were never tuned on."""
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def test_logging_format_errors_before_the_launchers_exit_report(tmp_path, line):
 
 def test_a_slurm_time_limit_is_a_stop_from_outside(tmp_path):
     # the cancel comes a minute after the last iteration (the log's cadence); after a long silence
-    # it would be a hang the stop ended (test_diagnose_issue27_pass2.py)
+    # it would be a hang the stop ended (test_diagnose_silent_logs.py)
     r = diag(tmp_path, MEGATRON_DONE.replace("/       9 |", "/     500 |") +
              "\nslurmstepd: error: *** JOB 1234 ON node-1 CANCELLED AT 2026-01-12T10:10:00 DUE TO TIME LIMIT ***\n")  # fmt: skip
     assert r["category"] == "killed_external" and "time limit" in r["summary"]

@@ -1,4 +1,4 @@
-"""Issue 27, fifth pass (the misses of the burned frozen4 split, as general mechanisms): an epoch
+"""The fifth rules pass (the misses of the burned frozen4 split, as general mechanisms): an epoch
 bar at 100 % is not the run's end and a `tail -c` cut of the log's last line is a quote of it; a
 capture of idle GPUs still holding memory, a store-based barrier's repeated waits and an inference
 server's zero-work reports are stall evidence; NaN on a compound metric key ("triplet_loss=nan",
@@ -8,7 +8,7 @@ job stalled at start is a hang. Each with the counter-case that must not change.
 
 from __future__ import annotations
 
-from test_diagnose_issue27_pass4 import diag  # writes the files under tmp_path and diagnoses them
+from test_diagnose_stall_evidence import diag  # writes the files under tmp_path and diagnoses them
 
 
 def _epoch(n: int, total: int) -> str:

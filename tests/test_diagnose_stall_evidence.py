@@ -1,4 +1,4 @@
-"""Issue 27, fourth pass: stall evidence that is not an error line (a later `date; tail` capture
+"""Fourth rules pass: stall evidence that is not an error line (a later `date; tail` capture
 showing the log's last progress unchanged, the user's ^C after minutes of silence, an interrupt
 traceback waiting in a barrier), and the counter-cases that must stay healthy: a log that merely
 ends, a ^C right after progress, one slow window. Also c10d's store client failing at start-up

@@ -1,4 +1,4 @@
-"""Issue 27, third pass: effects are not causes (Ray's dead-worker reports, a wrapper repeating a
+"""Third rules pass: effects are not causes (Ray's dead-worker reports, a wrapper repeating a
 child's exit status, Horovod's shutdown on the surviving ranks), the rank a stall inspector names,
 and step records in any framework's key:value format."""
 
