@@ -314,10 +314,13 @@ def test_checkpoint_sharded_dtensor_state_and_cross_rank_fallback(tmp_path, shm_
         # Rank 1's step 2 is corrupt: every rank resumes step 1, not just rank 1.
         assert r["after_corruption_step"] == 1 and r["after_corruption_ok"], r
     assert results[1]["reports"] == 1  # rank 1 reported the fallback
+    # Resumed from step 1: each rank's step 2 (rank 0's good one, rank 1's rotten one) is from the
+    # abandoned timeline, moved aside so a later restart cannot agree on it
+    assert [r["abandoned"] for r in results] == [[[2]], [[2]]], results
     # Rank 1's files gone (its node's disk): no step every rank holds; both start fresh, and rank 0,
     # which holds steps, says so (never a silent fresh start)
     assert results[0]["after_loss"] is None and results[1]["after_loss"] is None, results
-    assert len(results[0]["unshared_reports"]) == 1 and "holds step(s) [1, 2] but no step is held by every rank" in \
+    assert len(results[0]["unshared_reports"]) == 1 and "holds step(s) [1] but no step is held by every rank" in \
         results[0]["unshared_reports"][0], results[0]
     assert results[1]["unshared_reports"] == [], results[1]
 

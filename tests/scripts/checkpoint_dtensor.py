@@ -59,8 +59,9 @@ def main() -> None:
     state = ck.load_latest(mesh=mesh)
     out["after_corruption_step"] = state["step"]
     out["after_corruption_ok"] = bool(torch.equal(state["w"].full_tensor(), full))
-    out["reports"] = sorted(p.name for p in (ck.shm_dir / "reports").glob("*.json")) if rank == 1 else []
-    out["reports"] = len(out["reports"])
+    said = [json.loads(p.read_text()) for p in (ck.shm_dir / "reports").glob("*.json")]
+    out["reports"] = sum(r.get("kind") == "checkpoint_fallback" for r in said) if rank == 1 else 0
+    out["abandoned"] = [r["evidence"]["disk_steps"] for r in said if r.get("kind") == "checkpoint_abandoned"]
     ck.close()
     dist.barrier()
 

@@ -112,6 +112,9 @@ class _Source:
     kind: str  # "memory" | "disk"
     rank: int  # whose copy (the rank that saved it)
     path: Path | None = None  # the slot file, for memory
+    # When that copy was taken (a slot's publish time, a file's save time): where one step exists
+    # twice (a dead attempt's copy beside the one saved after the restart), the newer copy wins.
+    saved: float = 0.0
 
 
 @dataclass
@@ -675,7 +678,52 @@ class Checkpointer:
                          {"held_steps": unshared, "loaded_step": None, "dir": str(self.ckpt_dir)})
         loaded = chosen if result is not None else None
         self._report_load(loaded, corrupt, refused)
+        if loaded is not None and loaded.world == self.world:
+            self._abandon_newer(loaded.step)
         return result
+
+    def _abandon_newer(self, step: int) -> None:
+        """This rank resumes from ``step``: its snapshots of later steps are from the attempt that
+        died (an abandoned timeline). Left in place, a later restart could agree on one of those
+        steps once another rank has saved it anew, and this rank would load the dead attempt's
+        state beside the others' new one. Its slots of later steps are invalidated, then (once the
+        agent has stopped persisting them) its files of later steps are moved to CKPT_DIR/abandoned/."""
+        slots = self._invalidate_newer_slots(step)
+        files = disk.abandon_newer(self.ckpt_dir, self.rank, step, self.world)
+        if not slots and not files:
+            return
+        self._report("checkpoint_abandoned", "warning",
+                     f"rank {self.rank}: resumed from step {step}; dropped its snapshots of later steps from the "
+                     f"attempt that died (memory: {slots or 'none'}, disk: {files or 'none'}, moved to "
+                     f"{self.ckpt_dir / disk.ABANDONED})",
+                     {"loaded_step": step, "memory_steps": slots, "disk_steps": files,
+                      "dir": str(self.ckpt_dir / disk.ABANDONED)})
+
+    def _invalidate_newer_slots(self, step: int) -> list[int]:
+        """Mark this rank's complete slots of steps after ``step`` as being written (no reader,
+        agreement or persister trusts them again), and wait, up to ``shmfault.PIN_WAIT_S``, for the
+        agent to finish persisting any of them: its seqlock check then discards that write, or the
+        write commits before the caller moves the file aside. Returns the steps dropped."""
+        dropped: list[int] = []
+        busy: list[Slot] = []
+        with self._lock:
+            for i, slot in enumerate(self._slots):
+                hdr = slot.header() if slot is not None else None
+                if slot is None or hdr is None or not hdr.complete or hdr.step <= step or hdr.world != self.world:
+                    continue
+                self._seq += 1
+                slot.begin_write(self._seq)  # the state word first: the snapshot is no longer valid
+                dropped.append(hdr.step)
+                busy.append(slot)
+                if self._latest == i:
+                    self._latest = None
+            if self._latest is None:
+                held = [i for i in range(self.nslots) if self._complete_seq(i) >= 0]
+                self._latest = max(held, key=self._complete_seq) if held else None
+        deadline = time.monotonic() + shmfault.PIN_WAIT_S
+        while any((h := s.header()) is not None and h.pin for s in busy) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return sorted(dropped)
 
     def _preference(self, c: _Candidate) -> tuple[int, bool, int]:
         # The same total order on every rank: newest step, then this world size, then the bigger one.
@@ -697,7 +745,7 @@ class Checkpointer:
             if hdr is None or not hdr.complete or hdr.rank != rank:
                 continue
             if hdr.world == self.world and rank == self.rank:
-                add(hdr.step, hdr.world, sharded, _Source("memory", rank, path))
+                add(hdr.step, hdr.world, sharded, _Source("memory", rank, path, hdr.time))
             elif hdr.world != self.world and not sharded:
                 add(hdr.step, hdr.world, False, _Source("memory", rank, path))
         for step in disk.all_steps(self.ckpt_dir):
@@ -716,7 +764,7 @@ class Checkpointer:
                 continue
             if world == self.world:
                 if ref == self.rank:
-                    add(step, world, sharded, _Source("disk", ref))
+                    add(step, world, sharded, _Source("disk", ref, saved=disk.taken_at(meta)))
                 continue
             if not sharded:
                 for r in [ref, *(r for r in present if r != ref)]:
@@ -730,6 +778,8 @@ class Checkpointer:
                 refused.append({"step": step, "saved_world_size": world, "error": why})
         for c in found.values():  # memory first, then this rank's own file, then the others'
             c.sources.sort(key=lambda src: (src.kind != "memory", src.rank != self.rank))
+            if c.world == self.world:  # this rank's own copies: the newest save first (a slot is
+                c.sources.sort(key=lambda src: -src.saved)  # published after its file's save time)
         return found
 
     def _load(self, c: _Candidate, sharded: bool, map_location: Any, mesh: Any) -> Any:

@@ -54,6 +54,7 @@ CHUNK = 8 << 20
 _TMP_MARK = ".tmp-"
 _DIRECT_ALIGN = 4096
 QUARANTINE = "quarantine"
+ABANDONED = "abandoned"  # a rank's checkpoints of steps after the one a restart resumed from
 
 
 FILE_MODE = 0o600  # checkpoints hold the model's weights: readable by their owner only
@@ -521,10 +522,28 @@ def prune(ckpt_dir: Path, rank: int, keep: int, cache: VerifiedCache | None = No
     return out
 
 
-def quarantine(ckpt_dir: Path, rank: int, step: int) -> Path:
-    """Move one rank's files of ``step`` to CKPT_DIR/quarantine/step-N.<time>/ (same file system:
-    a rename). Returns the quarantine directory."""
-    qdir = Path(ckpt_dir) / QUARANTINE / f"{step_dir(ckpt_dir, step).name}.{time.strftime('%Y%m%dT%H%M%S')}"
+def abandon_newer(ckpt_dir: Path, rank: int, step: int, world: int) -> list[int]:
+    """Move ``rank``'s checkpoints of steps after ``step`` saved at world size ``world`` (what the
+    rank saved before the restart that resumed from ``step``: an abandoned timeline) to
+    CKPT_DIR/abandoned/, like the quarantine (moved, never deleted). Returns the steps moved."""
+    moved = []
+    for later in list_steps(ckpt_dir, rank):
+        if later <= step:
+            break
+        try:
+            saved_by = read_manifest(ckpt_dir, rank, later).get("world_size")
+        except CorruptCheckpoint:
+            continue  # not loadable anyway; pruning quarantines it
+        if saved_by == world and own_step_dir(ckpt_dir, later) is not None:
+            quarantine(ckpt_dir, rank, later, ABANDONED)
+            moved.append(later)
+    return sorted(moved)
+
+
+def quarantine(ckpt_dir: Path, rank: int, step: int, place: str = QUARANTINE) -> Path:
+    """Move one rank's files of ``step`` to CKPT_DIR/<place>/step-N.<time>/ (same file system:
+    a rename). Returns that directory."""
+    qdir = Path(ckpt_dir) / place / f"{step_dir(ckpt_dir, step).name}.{time.strftime('%Y%m%dT%H%M%S')}"
     make_private_dir(qdir)
     sdir = own_step_dir(ckpt_dir, step)
     if sdir is None:  # a symlinked step dir: its files are not ours to move
