@@ -500,14 +500,14 @@ def _stop(launch: LaunchSettings, out: Outcome, agent: TrainguardAgent | None, p
 
 def _launch(settings: RunSettings, run_dir: Path, node: str, monitors: list, store: EventStore) -> int:
     _setup_logging(run_dir, node)
-    log.info("%s: %s", COMMAND_RUNNING, _command_line(settings.launch))
-    scheduler.describe(settings.scheduler)
     _install_signal_handlers()
     try:
         job = _resolve_job(settings.torchrun)
-    except UsageError as exc:
+    except UsageError as exc:  # one line, alone: the command never ran
         print(f"trainguard run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    log.info("%s: %s", COMMAND_RUNNING, _command_line(settings.launch))
+    scheduler.describe(settings.scheduler)
     bus, notifier = _event_bus(settings.launch, store, node, run_dir)
     sched = scheduler.Scheduler.from_settings(settings.scheduler, run_dir, bus.emit)
     pool = WorkerPool(job.config.nproc_per_node, python=os.getenv("PYTHON_EXEC", sys.executable), mode=settings.launch.prestart)
