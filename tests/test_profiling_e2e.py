@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tgtest import EXAMPLE, events, free_port, wait_event
 
 from trainguard.policy import STRAGGLER_EXIT_MESSAGE
+from trainguard.rundir.readers import iter_spans
+from trainguard.worker.ring import shm_dir
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +48,19 @@ def test_straggler_node_excluded_and_elastic_job_continues(jobs, tmp_path):
     wait_event(run, "job_started", pred=lambda e: e.node == "node0" and e.evidence["group_world_size"] == 1)
     assert agents[0].proc.poll() is None
     assert all(e.node == "node1" for e in events(run, "straggler_detected"))
+
+
+def test_a_job_shorter_than_the_agents_tick_keeps_every_step_span(jobs, tmp_path):
+    """12 steps with no step time end before the agent's first read of the rings: the workers exit
+    and the agent, still alive, drains their rings afterwards (a worker removes its ring at exit
+    only when its agent is gone), so no span of a short attempt is lost. Every step of every rank
+    is in the record files, and no ring is left in shared memory."""
+    run = tmp_path / "run"
+    job = jobs("run", "--standalone", "--nproc-per-node", "2", "--quiet", "--run-dir", run,
+               EXAMPLE, "--steps", "12")
+    assert job.wait() == 0, job.output()
+    spans = list(iter_spans(run))
+    for rank in (0, 1):
+        assert sorted(s.step for s in spans if s.rank == rank and s.kind == "Step") == list(range(1, 13)), rank
+    pid = job.proc.pid
+    assert not [n for n in os.listdir(shm_dir()) if n.startswith(f"trainguard-{pid}-")], "a ring outlived its agent"

@@ -115,12 +115,31 @@ def _claimed(path: str) -> None:
 
 
 def _unlink(path: str, pid: int) -> None:
+    """At the worker's exit: remove its ring only when the agent that reads it is gone. While the
+    agent lives, it drains the ring after the worker's exit and unlinks it then: an attempt shorter
+    than the agent's tick (a fast job, a quick failure) would otherwise lose all its spans."""
     if os.getpid() != pid:  # a forked child inherits atexit handlers; the ring is not its own
+        return
+    if _agent_alive(path):
         return
     try:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _agent_alive(path: str) -> bool:
+    """Whether the agent named in the ring's path (``trainguard-<agent pid>-...``) still runs."""
+    parts = os.path.basename(path).split("-")
+    if len(parts) < 2 or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists (another user's process with that pid: the agent's own sweep decides)
+        return True
+    return True
 
 
 # ---- post-import hooks ---------------------------------------------------------------------------
