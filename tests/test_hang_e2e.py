@@ -24,16 +24,18 @@ def test_hang_busy_loop_through_trainguard_run(jobs, tmp_path: Path) -> None:
     )  # fmt: skip
     assert job.wait() == 0, job.output()
     suspected = events(run, "hang_suspected")
-    # a suspicion at once; at the window another one if the window's CPU series still held the
-    # last steps (not flat yet), then the verdict
-    assert 1 <= len(suspected) <= 2 and {e.rank for e in suspected} == {0}, [e.message for e in suspected]
+    # a suspicion at once; at each window another one while the window's CPU series is not flat yet
+    # (it still holds the last steps, or a loaded machine makes the spinner's share jump), then the
+    # verdict: how many windows that takes depends on the machine's load, so only their order and
+    # their rank are asserted (below: every suspicion comes before the verdict)
+    assert suspected and {e.rank for e in suspected} == {0}, [e.message for e in suspected]
     assert suspected[0].severity.label == "warning" and "spin_forever" in suspected[0].evidence["stack"][0]
     assert Path(suspected[0].evidence["report"]).exists()
     hangs = events(run, "hang_detected")
     assert len(hangs) == 1, [e.message for e in hangs]
     ev = hangs[0]
     assert ev.rank == 0 and ev.evidence["rule"] == "detect-time", ev.message
-    assert suspected[0].time < ev.time
+    assert all(e.time < ev.time for e in suspected), [e.message for e in suspected]
     assert ev.evidence["ranks"]["0"]["kind"] == "user" and ev.evidence["ranks"]["0"]["busy"]
     assert ev.evidence["ranks"]["1"]["op"] == "all_reduce"
     assert "spin_forever" in ev.evidence["stack"][0]
