@@ -8,13 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from tgtest import DEADLINE, wait_for
+from tgtest import DEADLINE, tmpfs, wait_for
 
 from trainguard.checkpoint import disk, shmfault
 from trainguard.checkpoint.client import Checkpointer
@@ -56,18 +55,11 @@ def test_shm_dir_removed_under_a_running_job_is_recreated_reported_and_newer_ste
 @pytest.fixture
 def small_tmpfs():
     """A 64 MB tmpfs of the test's own (Kubernetes' default /dev/shm size), unmounted at the end."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
     mnt = Path(tempfile.mkdtemp(prefix="tg-ckpt-small-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        mnt.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
-        yield mnt
+        with tmpfs(mnt, "64m"):
+            yield mnt
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
         mnt.rmdir()
 
 

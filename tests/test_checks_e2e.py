@@ -8,7 +8,7 @@ import subprocess
 import textwrap
 
 import pytest
-from tgtest import EXAMPLE, events, free_port, trainguard_cmd, wait_for
+from tgtest import EXAMPLE, events, free_port, tmpfs, trainguard_cmd, wait_for
 
 from trainguard.checks.bench import CHAOS_ENV
 from trainguard.rundir import chaos_hold
@@ -131,16 +131,8 @@ FILL_THEN_DIE = textwrap.dedent("""
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 2 MB filesystem (needs root, as in the dev container); unmounted after the test."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M,mode=0700", "tmpfs", str(mnt)], check=True, capture_output=True)
-    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
+    with tmpfs(tmp_path / "disk", "2M") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
 
 
 @pytest.mark.slow

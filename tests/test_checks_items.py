@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tgtest import tmpfs
 
 from trainguard.checks import items as I
 from trainguard.checks import kernel_log
@@ -92,18 +93,8 @@ def test_skip_leaves_items_out():
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 2 MB filesystem (needs root, as in the dev container)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mnt)], check=True, capture_output=True
-        )
-    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
+    with tmpfs(tmp_path / "small", "2M") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False, capture_output=True)
 
 
 def test_disk_thresholds_on_a_small_tmpfs(small_tmpfs):

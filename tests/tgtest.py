@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -43,6 +44,20 @@ def require(problem: str | None) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{problem} (.ci/run installs it; in CI this test must run)")
     pytest.skip(problem)
+
+
+@contextmanager
+def tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of ``size`` (tmpfs, owner-only) mounted at ``mnt`` for the test, unmounted
+    after it. Mounting needs root: CI runs as root, so there a failed mount fails the test."""
+    mnt.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    require(None if done.returncode == 0 else f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
 
 
 def missing_tools(*names: str) -> str | None:

@@ -889,12 +889,7 @@ class Checkpointer:
             if self._completer is not None:
                 self._completer.put(None)
                 self._completer = None
-            for i in range(self.nslots):
-                self._release_buf(i)
-                slot = self._slots[i]
-                if slot is not None:
-                    slot.close()
-                self._slots[i] = None
+            self._drop_slots()
         if self._persister is not None:
             self._persister.stop(flush=True)
             release_shm_dir(self.shm_dir)
