@@ -454,6 +454,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "chaos": ("chaos", "{d}/run", "kill", "--rank", "0"),
     "profile": ("profile", "{d}/run"),
     "dashboard": ("dashboard", "{d}/run", "--port", "0"),
+    "logs": ("logs", "{d}/run"),
 }
 DASHBOARD_FETCH = ("", "static/app.js", "api/state", "api/state?after=1", "api/hang?name=hang-1.txt",
                    "api/hang?name=../victim.txt", "api/nothing")

@@ -10,7 +10,7 @@ badinput = bench_module("badinput")
 
 
 def _suite_cases() -> list:
-    """Every case but the damaged-run-dir matrix (every reader against every damage, 312 cases,
+    """Every case but the damaged-run-dir matrix (every reader against every damage, 351 cases,
     damage-major), of which the suite runs a third: damage i with reader j where (i + j) % 3 == 0,
     so each damage meets two readers and each reader a third of the damages (the whole matrix is
     bench/badinput.py's: ~2 minutes less in a suite that must stay near 20 on 2 cores)."""
